@@ -1,0 +1,145 @@
+"""A tiny Llama with seeded random weights, for end-to-end tests on vLLM-CPU.
+
+Dummy weights (``load_format="dummy"``) give near-uniform logits, so wrong or
+foreign KV goes unnoticed. This model has real random weights
+(``initializer_range=0.1``): zeroed or misplaced KV visibly changes greedy
+tokens and logprobs. There is no tokenizer; prompts are token ids
+(``TokensPrompt(prompt_token_ids=...)`` with ``skip_tokenizer_init=True``).
+
+The weights are drawn from a ``torch.Generator`` seeded with ``seed`` in a
+fixed order (sorted parameter names), independent of the global RNG and of
+transformers' own init scheme: the same arguments give identical bytes on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MARKER_FILE", "make_tiny_llama"]
+
+#: Written last into the model directory; records what was built.
+MARKER_FILE = "kvsdk_tiny_model.json"
+_FORMAT_VERSION = 1
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def make_tiny_llama(
+    path: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    hidden_size: int = 256,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    vocab_size: int = 32000,
+    max_position_embeddings: int = 4096,
+    initializer_range: float = 0.1,
+    dtype: str = "float32",
+    intermediate_size: int | None = None,
+) -> Path:
+    """Build (or reuse) a small random-weight Llama checkpoint at ``path``.
+
+    Writes ``config.json``, ``generation_config.json``, ``model.safetensors``
+    and a marker file. If ``path`` already holds a model built with the same
+    arguments (and the same transformers version), returns at once.
+    ``intermediate_size`` defaults to ``2 * hidden_size`` (about 72 MB in
+    float32 with the other defaults). Returns ``path`` as a ``Path``.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(_DTYPES)}")
+    if hidden_size % num_heads != 0:
+        raise ValueError(f"hidden_size={hidden_size} is not a multiple of num_heads={num_heads}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+
+    import transformers
+
+    out = Path(path)
+    spec: dict[str, Any] = {
+        "format": _FORMAT_VERSION,
+        "seed": seed,
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "initializer_range": initializer_range,
+        "dtype": dtype,
+        "intermediate_size": intermediate_size or 2 * hidden_size,
+        "transformers_version": transformers.__version__,
+    }
+    if _is_built(out, spec):
+        return out
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build next to the target, then move the files in; the marker goes last,
+    # so an interrupted build is never taken for a finished one.
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as tmp:
+        tmp_dir = Path(tmp)
+        _build(tmp_dir, spec)
+        out.mkdir(exist_ok=True)
+        (out / MARKER_FILE).unlink(missing_ok=True)
+        for item in sorted(tmp_dir.iterdir()):
+            item.chmod(0o644)  # safetensors may have written it as 0600
+            os.replace(item, out / item.name)
+        marker = tmp_dir / MARKER_FILE
+        marker.write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
+        marker.chmod(0o644)
+        os.replace(marker, out / MARKER_FILE)
+    return out
+
+
+def _is_built(out: Path, spec: dict[str, Any]) -> bool:
+    try:
+        recorded = json.loads((out / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(
+        recorded == spec
+        and (out / "config.json").is_file()
+        and (out / "model.safetensors").is_file()
+    )
+
+
+def _build(target: Path, spec: dict[str, Any]) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch_dtype = getattr(torch, spec["dtype"])
+    config = LlamaConfig(
+        vocab_size=spec["vocab_size"],
+        hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"],
+        num_hidden_layers=spec["num_layers"],
+        num_attention_heads=spec["num_heads"],
+        num_key_value_heads=spec["num_kv_heads"],
+        max_position_embeddings=spec["max_position_embeddings"],
+        initializer_range=spec["initializer_range"],
+        tie_word_embeddings=False,
+        dtype=spec["dtype"],
+        architectures=["LlamaForCausalLM"],
+    )
+    # transformers' constructor initialises with the global RNG; keep the
+    # caller's RNG state untouched, then overwrite every weight from our own
+    # seeded generator.
+    with torch.random.fork_rng(devices=[]):
+        model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]
+    gen = torch.Generator(device="cpu").manual_seed(spec["seed"])
+    std = float(spec["initializer_range"])
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in sorted(params):
+            param = params[name]
+            if name.endswith("norm.weight"):
+                values = torch.ones(param.shape, dtype=torch.float32)
+            else:
+                values = torch.empty(param.shape, dtype=torch.float32)
+                values.normal_(0.0, std, generator=gen)
+            param.data = values.to(torch_dtype)
+    model = model.to(torch_dtype)
+    model.save_pretrained(target, safe_serialization=True)
