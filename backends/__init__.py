@@ -1,0 +1,1 @@
+"""kvsdk's built-in storage backends (``kvsdk.backends.*``), one module each."""

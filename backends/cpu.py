@@ -1,0 +1,199 @@
+"""``cpu``: the host-RAM tier, a pre-allocated slab of fixed-size slots.
+
+The slab is one ``uint8`` tensor ``(num_slots, slot_bytes)`` allocated at
+start (pinned when CUDA is present, so device copies are true DMA). A
+transfer worker copies engine blocks straight into a slot; no per-chunk
+allocation ever happens on the hot path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from kvsdk.backend import Buffer, HostTier, TierContext
+from kvsdk.config import BYTES
+from kvsdk.eviction import EvictionPolicy, LRUPolicy
+from kvsdk.hooks import hookimpl
+from kvsdk.types import ChunkKey, Locality, Medium
+
+_READY, _WRITING = 1, 2
+
+
+@dataclass(frozen=True)
+class CPUOptions:
+    capacity: int = field(default=4 << 30, metadata=BYTES)
+    """Bytes of host RAM for the slab (e.g. ``8GiB``)."""
+    pin_memory: Literal["auto", "always", "never"] = "auto"
+    """``auto`` pins when CUDA is available; ``always`` / ``never``."""
+
+
+class CPUBackend(HostTier):
+    name = "cpu"
+    Options = CPUOptions
+    medium = Medium.CPU
+    locality = Locality.PROCESS
+    supports_listing = True
+
+    def __init__(self, options: CPUOptions, context: TierContext) -> None:
+        if context.chunk_bytes <= 0:
+            raise ValueError("cpu tier: chunk size in bytes must be known before the slab is built")
+        self.slot_bytes = context.chunk_bytes
+        n = options.capacity // self.slot_bytes
+        if n < 1:
+            raise ValueError(
+                f"cpu tier: capacity {options.capacity} B holds no chunk of {self.slot_bytes} B"
+            )
+        pin = options.pin_memory == "always" or (
+            options.pin_memory == "auto" and torch.cuda.is_available()
+        )
+        self._slab = torch.empty((n, self.slot_bytes), dtype=torch.uint8, pin_memory=pin)
+        self._np = self._slab.numpy()
+        self._free: list[int] = list(range(n - 1, -1, -1))
+        self._slot: dict[ChunkKey, int] = {}
+        self._state: dict[ChunkKey, int] = {}
+        self._length: dict[ChunkKey, int] = {}
+        self._pins: dict[ChunkKey, int] = {}
+        factory = context.policy_factory
+        self._policy: EvictionPolicy = factory(capacity=n) if factory else LRUPolicy()
+        self.evictions = 0
+
+    # -- HostTier -----------------------------------------------------------------
+    @property
+    def slab(self) -> torch.Tensor:
+        return self._slab
+
+    @property
+    def num_slots(self) -> int:
+        return int(self._slab.shape[0])
+
+    @property
+    def num_used(self) -> int:
+        return len(self._slot)
+
+    def slot_of(self, key: ChunkKey) -> int | None:
+        if self._state.get(key) == _READY:
+            return self._slot[key]
+        return None
+
+    def contains(self, key: ChunkKey) -> bool:
+        return key in self._slot
+
+    def _can_evict(self, key: ChunkKey) -> bool:
+        return self._state.get(key) == _READY and key not in self._pins
+
+    def reserve(self, keys: Sequence[ChunkKey]) -> tuple[list[int], list[ChunkKey]] | None:
+        assert not any(k in self._slot for k in keys), "reserve() of a present key"
+        shortfall = len(keys) - len(self._free)
+        evicted: list[ChunkKey] = []
+        if shortfall > 0:
+            evicted = self._policy.victims(shortfall, self._can_evict)
+            if len(evicted) < shortfall:
+                return None
+            for key in evicted:
+                self._policy.evicted(key)
+                self._drop(key)
+            self.evictions += len(evicted)
+        slots = [self._free.pop() for _ in keys]
+        for key, slot in zip(keys, slots):
+            self._slot[key] = slot
+            self._state[key] = _WRITING
+            self._length[key] = self.slot_bytes
+        return slots, evicted
+
+    def commit(self, keys: Sequence[ChunkKey], ok: bool) -> None:
+        for key in keys:
+            if self._state.get(key) != _WRITING:
+                continue  # dropped meanwhile (reset / delete)
+            if ok:
+                self._state[key] = _READY
+                self._policy.insert(key)
+            else:
+                self._drop(key)
+
+    def pin(self, keys: Sequence[ChunkKey]) -> None:
+        for key in keys:
+            assert key in self._slot, "pin() of an absent key"
+            self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        for key in keys:
+            n = self._pins.get(key, 0) - 1
+            if n > 0:
+                self._pins[key] = n
+            else:
+                self._pins.pop(key, None)
+
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        for key in keys:
+            self._policy.touch(key)
+
+    def _drop(self, key: ChunkKey) -> None:
+        slot = self._slot.pop(key)
+        self._state.pop(key, None)
+        self._length.pop(key, None)
+        self._pins.pop(key, None)
+        self._free.append(slot)
+
+    # -- Backend (bytes API: promotion from slower tiers, write-through, inspect) -
+    def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return [self._state.get(k) == _READY for k in keys]
+
+    def get(self, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
+        out: list[Buffer | None] = []
+        for key in keys:
+            slot = self.slot_of(key)
+            out.append(
+                None if slot is None else memoryview(self._np[slot, : self._length[key]].data)
+            )
+        return out
+
+    def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
+        new = [(k, v) for k, v in items if k not in self._slot and len(v) <= self.slot_bytes]
+        stored = {k for k, _ in new}
+        if new:
+            reserved = self.reserve([k for k, _ in new])
+            if reserved is None:
+                return [False] * len(items)
+            for (key, value), slot in zip(new, reserved[0]):
+                data = np.frombuffer(value, dtype=np.uint8)
+                self._np[slot, : len(data)] = data
+                self._length[key] = len(data)
+            self.commit([k for k, _ in new], ok=True)
+        return [k in stored or self._state.get(k) == _READY for k, _ in items]
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        n = 0
+        for key in keys:
+            if key in self._slot and key not in self._pins:
+                self._policy.remove(key)
+                self._drop(key)
+                n += 1
+        return n
+
+    def clear(self) -> None:
+        for key in list(self._slot):
+            self._drop(key)
+        self._policy.clear()
+
+    def iter_keys(self) -> Iterator[ChunkKey]:
+        return (k for k, s in list(self._state.items()) if s == _READY)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "slots": float(self.num_slots),
+            "slots_used": float(self.num_used),
+            "slot_bytes": float(self.slot_bytes),
+            "capacity_bytes": float(self.num_slots * self.slot_bytes),
+            "pinned_entries": float(len(self._pins)),
+            "evictions": float(self.evictions),
+        }
+
+
+@hookimpl
+def kvsdk_backends() -> dict[str, Any]:
+    return {"cpu": CPUBackend}

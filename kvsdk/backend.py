@@ -1,0 +1,144 @@
+"""The storage backend interface: one narrow, batched contract for every tier.
+
+Primitives, in the order the tiered store uses them:
+
+- ``exists(keys)``   which keys are stored (one call per step, batched)
+- ``get(keys)``      their bytes, ``None`` for a miss (never raises for a miss)
+- ``put(items)``     store ``(key, bytes)`` pairs; returns which were stored
+- ``delete(keys)``   drop entries (e.g. after an integrity failure)
+- ``clear()``        drop everything this backend holds for its namespace
+- ``stats()``        numbers for metrics and ``kvsdk inspect``
+- ``close()``        release files, sockets, memory
+
+Backends are synchronous; the tiered store calls slow tiers from its I/O
+threads, never from the scheduler thread. A backend signals failure by
+raising :class:`BackendError` (or any ``OSError``); the store turns that
+into misses and counts it.
+
+Values passed to ``put`` and returned by ``get`` are *framed* chunks (see
+``kvsdk.chunk_format`` once present): the backend stores opaque bytes.
+
+The host-RAM tier additionally implements :class:`HostTier`: addressable
+fixed-size slots a transfer worker copies into directly.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from kvsdk.types import ChunkKey, Locality, Medium
+
+Buffer = bytes | bytearray | memoryview
+
+
+class BackendError(RuntimeError):
+    """A tier could not serve a request; the caller treats it as a miss."""
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What a backend learns about its place when it is built."""
+
+    namespace_fp: bytes
+    """16-byte namespace fingerprint: prefix keys with it, check it on read."""
+    namespace_hex: str
+    chunk_bytes: int
+    """Largest payload one chunk can have (for slot sizing)."""
+    tier_index: int = 0
+    policy_factory: Any = None
+    """``factory(capacity=entries) -> EvictionPolicy`` for tiers that evict locally."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """For backends that take no options beyond ``backend:``."""
+
+
+class Backend(ABC):
+    """A storage tier. One file per implementation; registered via the
+    ``kvsdk_backends`` hook."""
+
+    name: ClassVar[str] = ""
+    Options: ClassVar[type] = NoOptions
+    medium: ClassVar[Medium] = Medium.CPU
+    locality: ClassVar[Locality] = Locality.PROCESS
+    supports_listing: ClassVar[bool] = False
+
+    @abstractmethod
+    def exists(self, keys: Sequence[ChunkKey]) -> list[bool]: ...
+
+    @abstractmethod
+    def get(self, keys: Sequence[ChunkKey]) -> list[Buffer | None]: ...
+
+    @abstractmethod
+    def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]: ...
+
+    @abstractmethod
+    def delete(self, keys: Sequence[ChunkKey]) -> int: ...
+
+    @abstractmethod
+    def clear(self) -> None: ...
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        return None
+
+    def iter_keys(self) -> Iterator[ChunkKey]:
+        """All stored keys (only when ``supports_listing``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list its keys")
+
+
+class HostTier(Backend):
+    """A host-memory tier with addressable slots (one chunk per slot).
+
+    Entry lifecycle: ``reserve`` (slot allocated, not readable) → a transfer
+    worker fills the slot → ``commit(ok=True)`` (readable) or
+    ``commit(ok=False)`` (slot freed). ``pin``/``unpin`` protect a readable
+    entry from eviction while a load copies out of it.
+    """
+
+    @property
+    @abstractmethod
+    def slab(self) -> torch.Tensor:
+        """``uint8`` tensor of shape ``(num_slots, slot_bytes)``."""
+
+    @abstractmethod
+    def slot_of(self, key: ChunkKey) -> int | None:
+        """Slot of a readable entry, or None."""
+
+    @abstractmethod
+    def contains(self, key: ChunkKey) -> bool:
+        """Readable or being written (a store for it is in flight)."""
+
+    @abstractmethod
+    def reserve(self, keys: Sequence[ChunkKey]) -> tuple[list[int], list[ChunkKey]] | None:
+        """Slots for new entries, evicting as needed: ``(slots, evicted_keys)``,
+        or None (nothing reserved) when there is no room."""
+
+    @abstractmethod
+    def commit(self, keys: Sequence[ChunkKey], ok: bool) -> None: ...
+
+    @abstractmethod
+    def pin(self, keys: Sequence[ChunkKey]) -> None: ...
+
+    @abstractmethod
+    def unpin(self, keys: Sequence[ChunkKey]) -> None: ...
+
+    @abstractmethod
+    def touch(self, keys: Sequence[ChunkKey]) -> None: ...
+
+    @property
+    @abstractmethod
+    def num_slots(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_used(self) -> int: ...

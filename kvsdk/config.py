@@ -1,0 +1,359 @@
+"""Configuration: YAML (or a dict) → typed, validated, immutable objects.
+
+Every error is one :class:`ConfigError` sentence naming the key path, the
+value and what was expected, e.g.::
+
+    tiers[1].capacity: got '8 GB'; expected a size such as 512MiB or 8GiB
+
+Backend options are each backend's own frozen ``Options`` dataclass,
+validated by the same code; an ``int`` field whose metadata says
+``{"unit": "bytes"}`` accepts sizes with units.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from kvsdk import plugins_manager
+
+BYTES = {"unit": "bytes"}
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
+    "ti": 1024**4, "tib": 1024**4,
+}  # fmt: skip
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, stated in one sentence."""
+
+
+def parse_size(value: Any, path: str = "size") -> int:
+    """``512MiB`` / ``8GiB`` / ``1.5GB`` / ``4096`` → bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{path}: got {value!r}; expected a size such as 512MiB or 8GiB")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _SIZE_RE.match(str(value)) if isinstance(value, str) else None
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ConfigError(f"{path}: got {value!r}; expected a size such as 512MiB or 8GiB")
+        n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise ConfigError(f"{path}: got {value!r}; expected a positive size")
+    return n
+
+
+# -- the schema ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    backend: str
+    options: Any
+    """The backend's own ``Options`` dataclass instance."""
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    min_lookups: int = 0
+    """Store a chunk only after it was looked up this many times (0: always)."""
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    prometheus_port: int | None = None
+    """Serve Prometheus metrics on this port (needs ``prometheus-client``)."""
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    enabled: bool = True
+    max_pending: int = 100_000
+    """Oldest undrained events are dropped (and counted) beyond this."""
+
+
+@dataclass(frozen=True)
+class KVSDKConfig:
+    tiers: tuple[TierConfig, ...] = ()
+    chunk_tokens: int = 256
+    """Offload unit in tokens; must be a multiple of the engine's block size."""
+    eviction: str = "lru"
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    transfer: str = "auto"
+    """Transfer worker: ``auto`` picks ``cuda`` for CUDA tensors, else ``cpu``."""
+    max_load_tokens: int | None = None
+    """Per-request cap on tokens loaded from kvsdk (None: unlimited)."""
+    tenant: str = ""
+    """Salt mixed into the namespace: tenants never share chunks."""
+    model_id: str | None = None
+    """Overrides the model identity the adapter derives (e.g. a weights digest)."""
+    io_threads: int = 4
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
+
+
+DEFAULT_TIERS: tuple[dict[str, Any], ...] = ({"backend": "cpu", "capacity": "4GiB"},)
+
+
+# -- validation ------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any]) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        if len(non_none) == 1:
+            return _coerce(value, non_none[0], path, meta)
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{path}: got {value!r}; expected {_type_name(tp)}")
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _build(tp, value, path)
+    if tp is int and meta.get("unit") == "bytes":
+        return parse_size(value, path)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif origin is tuple and isinstance(value, list | tuple):
+        (item_tp, *_rest) = typing.get_args(tp)
+        return tuple(_coerce(v, item_tp, f"{path}[{i}]", {}) for i, v in enumerate(value))
+    else:
+        return value
+    raise ConfigError(f"{path}: got {value!r}; expected {_type_name(tp)}")
+
+
+def _unknown_key(path: str, key: str, allowed: list[str]) -> ConfigError:
+    hint = difflib.get_close_matches(key, allowed, n=1)
+    did = f" (did you mean {hint[0]!r}?)" if hint else ""
+    return ConfigError(
+        f"{path}{key}: unknown key; expected one of: {', '.join(sorted(allowed))}{did}"
+    )
+
+
+def _build(cls: type, data: Any, path: str, skip: tuple[str, ...] = ()) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path or 'config'}: got {data!r}; expected a mapping")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in skip}
+    prefix = f"{path}." if path else ""
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in skip:
+            continue
+        if not isinstance(key, str) or key not in fields:
+            raise _unknown_key(prefix, str(key), list(fields))
+        kwargs[key] = _coerce(value, hints[key], prefix + key, fields[key].metadata)
+    for name, f in fields.items():
+        no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if name not in kwargs and no_default:
+            raise ConfigError(f"{prefix}{name}: missing; expected {_type_name(hints[name])}")
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{path or 'config'}: {exc}") from None
+
+
+def _build_tier(item: Any, path: str, backends: Mapping[str, type]) -> TierConfig:
+    if not isinstance(item, Mapping):
+        raise ConfigError(f"{path}: got {item!r}; expected a mapping with a 'backend:' key")
+    name = item.get("backend")
+    if name is None:
+        raise ConfigError(
+            f"{path}.backend: missing; expected one of: {', '.join(sorted(backends))}"
+        )
+    if name not in backends:
+        raise ConfigError(
+            f"{path}.backend: got {name!r}; expected an installed backend: "
+            f"{', '.join(sorted(backends))}"
+        )
+    options_cls = getattr(backends[name], "Options", None)
+    assert isinstance(options_cls, type) and dataclasses.is_dataclass(options_cls)
+    options = _build(options_cls, {k: v for k, v in item.items() if k != "backend"}, path)
+    return TierConfig(backend=name, options=options)
+
+
+def load_config(source: str | Path | Mapping[str, Any] | None) -> KVSDKConfig:
+    """Build the config from a YAML path, a YAML string, a mapping, or None (defaults)."""
+    data: Any
+    if source is None:
+        data = {}
+    elif isinstance(source, Mapping):
+        data = dict(source)
+    else:
+        text = str(source)
+        if isinstance(source, Path) or (
+            "\n" not in text and Path(text).suffix in (".yaml", ".yml")
+        ):
+            path = Path(text)
+            if not path.is_file():
+                raise ConfigError(f"config: file {str(path)!r} not found")
+            text = path.read_text()
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"config: invalid YAML{where}: {problem}") from None
+        if data is None:
+            data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config: got {data!r}; expected a mapping at the top level")
+    backends = plugins_manager.backends()
+    raw_tiers = data.get("tiers", list(DEFAULT_TIERS))
+    if not isinstance(raw_tiers, list) or not raw_tiers:
+        raise ConfigError(f"tiers: got {raw_tiers!r}; expected a non-empty list of tier mappings")
+    tiers = tuple(_build_tier(t, f"tiers[{i}]", backends) for i, t in enumerate(raw_tiers))
+    cfg: KVSDKConfig = _build(KVSDKConfig, data, "", skip=("tiers",))
+    cfg = dataclasses.replace(cfg, tiers=tiers)
+    _check(cfg, backends)
+    return cfg
+
+
+def _check(cfg: KVSDKConfig, backends: Mapping[str, type]) -> None:
+    from kvsdk.backend import HostTier
+
+    if cfg.chunk_tokens <= 0:
+        raise ConfigError(f"chunk_tokens: got {cfg.chunk_tokens}; expected a positive integer")
+    policies = plugins_manager.eviction_policies()
+    if cfg.eviction not in policies:
+        raise ConfigError(
+            f"eviction: got {cfg.eviction!r}; expected one of: {', '.join(sorted(policies))}"
+        )
+    workers = ["auto", *plugins_manager.transfer_workers()]
+    if cfg.transfer not in workers:
+        raise ConfigError(f"transfer: got {cfg.transfer!r}; expected one of: {', '.join(workers)}")
+    if not issubclass(backends[cfg.tiers[0].backend], HostTier):
+        hosts = sorted(n for n, b in backends.items() if issubclass(b, HostTier))
+        raise ConfigError(
+            f"tiers[0].backend: got {cfg.tiers[0].backend!r}; the first tier must be a "
+            f"host-memory tier: {', '.join(hosts)}"
+        )
+    if cfg.max_load_tokens is not None and cfg.max_load_tokens <= 0:
+        raise ConfigError(
+            f"max_load_tokens: got {cfg.max_load_tokens}; expected a positive integer"
+        )
+    if cfg.admission.min_lookups < 0:
+        raise ConfigError(
+            f"admission.min_lookups: got {cfg.admission.min_lookups}; expected 0 or more"
+        )
+    if cfg.io_threads < 1:
+        raise ConfigError(f"io_threads: got {cfg.io_threads}; expected at least 1")
+
+
+# -- JSON Schema -----------------------------------------------------------------------------
+
+
+def _schema_of(tp: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return {"anyOf": [_schema_of(a, meta) for a in typing.get_args(tp)]}
+    if origin is Literal:
+        return {"enum": list(typing.get_args(tp))}
+    if tp is type(None):
+        return {"type": "null"}
+    if tp is int and meta.get("unit") == "bytes":
+        return {
+            "anyOf": [
+                {"type": "integer", "minimum": 1},
+                {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$"},
+            ]
+        }
+    if tp is bool:
+        return {"type": "boolean"}
+    if tp is int:
+        return {"type": "integer"}
+    if tp is float:
+        return {"type": "number"}
+    if tp is str:
+        return {"type": "string"}
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _dataclass_schema(tp)
+    return {}
+
+
+def _dataclass_schema(cls: type, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    props: dict[str, Any] = {}
+    required = []
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        props[f.name] = _schema_of(hints[f.name], f.metadata)
+        if f.default is not dataclasses.MISSING and not dataclasses.is_dataclass(f.default):
+            props[f.name]["default"] = f.default
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            required.append(f.name)
+    out: dict[str, Any] = {"type": "object", "properties": props, "additionalProperties": False}
+    if required:
+        out["required"] = required
+    return out
+
+
+def json_schema() -> dict[str, Any]:
+    """JSON Schema (draft 2020-12) of the config file, for editors and CI linting."""
+    root = _dataclass_schema(KVSDKConfig, skip=("tiers",))
+    tier_variants = []
+    for name, cls in sorted(plugins_manager.backends().items()):
+        opt = _dataclass_schema(cls.Options)
+        opt["properties"] = {"backend": {"const": name}, **opt["properties"]}
+        opt["required"] = ["backend", *opt.get("required", [])]
+        tier_variants.append(opt)
+    root["properties"]["tiers"] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"oneOf": tier_variants},
+    }
+    root["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    root["title"] = "kvsdk configuration"
+    return root
+
+
+def dump_json_schema() -> str:
+    return json.dumps(json_schema(), indent=2, sort_keys=False)

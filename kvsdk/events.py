@@ -1,0 +1,105 @@
+"""Engine-neutral KV events: what each tier stored, removed or cleared.
+
+The tiered store records events as they happen; adapters drain them
+(``take_events``) to translate into their engine's types (vLLM's
+``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``), and every batch is
+also published to event sinks through the ``kvsdk_publish_events`` hook.
+Both queues are bounded: beyond ``max_pending`` the oldest events are dropped
+and counted, never an unbounded backlog.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvsdk.types import ChunkKey, Locality, Medium
+
+log = logging.getLogger(__name__)
+
+
+class EventKind(str, enum.Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    kind: EventKind
+    keys: tuple[ChunkKey, ...]
+    tier: int
+    medium: Medium
+    locality: Locality
+    timestamp: float
+    info: tuple[Any, ...] = ()
+    """Per key, what the adapter annotated (e.g. engine block hash, tokens), or None."""
+
+
+class EventTracker:
+    def __init__(self, *, enabled: bool = True, max_pending: int = 100_000) -> None:
+        self.enabled = enabled
+        self.max_pending = max_pending
+        self._pending: deque[KVEvent] = deque()
+        self._unpublished: deque[KVEvent] = deque()
+        self._annotations: dict[ChunkKey, Any] = {}
+        self.dropped = 0
+
+    def annotate(self, key: ChunkKey, info: Any) -> None:
+        """Attach engine-side detail to a key's future events (bounded)."""
+        if not self.enabled:
+            return
+        if len(self._annotations) >= self.max_pending:
+            self._annotations.pop(next(iter(self._annotations)))
+        self._annotations[key] = info
+
+    def record(
+        self,
+        kind: EventKind,
+        keys: Sequence[ChunkKey],
+        *,
+        tier: int,
+        medium: Medium,
+        locality: Locality,
+    ) -> None:
+        if not self.enabled or (not keys and kind is not EventKind.CLEARED):
+            return
+        info: tuple[Any, ...] = ()
+        if self._annotations:
+            info = tuple(self._annotations.get(k) for k in keys)
+        event = KVEvent(kind, tuple(keys), tier, medium, locality, time.time(), info)
+        for q in (self._pending, self._unpublished):
+            q.append(event)
+            if len(q) > self.max_pending:
+                q.popleft()
+                self.dropped += 1
+
+    def take_events(self) -> list[KVEvent]:
+        """Drain the adapter's queue."""
+        out = list(self._pending)
+        self._pending.clear()
+        return out
+
+    def publish(self) -> None:
+        """Send new events to every registered sink (one hook call per batch)."""
+        if not self._unpublished:
+            return
+        batch = list(self._unpublished)
+        self._unpublished.clear()
+        from kvsdk.plugins_manager import plugin_manager
+
+        try:
+            plugin_manager().hook.kvsdk_publish_events(events=batch)
+        except Exception:  # a sink must never break serving
+            log.exception("an event sink failed; events of this batch may be lost for it")
+
+    def reset(self) -> None:
+        """Drop undrained events and annotations (the tiers were cleared)."""
+        self._pending.clear()
+        self._unpublished.clear()
+        self._annotations.clear()

@@ -1,0 +1,224 @@
+"""The job ledger: every load and store in flight, who owns it, and what must
+be flushed before an engine block is reused.
+
+Calls per scheduler step, in order:
+
+1. ``blocks_allocated(ids)`` for every block the engine allocated this step
+   (including copy-on-write destinations);
+2. ``request_preempted(req)`` for preempted requests (their stores flush);
+3. ``collect_fence_flushes()`` once: stores still reading a block that was
+   just reallocated must finish before the engine overwrites it;
+4. ``add_load`` / ``add_store`` for this step's new jobs;
+5. ``end_step()`` → job ids the workers must finish before this step's
+   forward pass writes to KV.
+
+Completions arrive from ``complete(job_id, count)``, one count per worker;
+a job is done when all ``num_workers`` reported. ``reset()`` discards all
+jobs; completions of ids issued before it are ignored (stale threshold).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvsdk.types import ChunkKey, JobId, ReqId
+
+
+@dataclass
+class Job:
+    job_id: JobId
+    req_id: ReqId
+    is_store: bool
+    keys: tuple[ChunkKey, ...]
+    pending_workers: int
+    fenced_block_ids: tuple[int, ...] = ()
+    """Watched from creation (sliding-window blocks may be freed mid-request)."""
+    deferred_fence_block_ids: tuple[int, ...] = ()
+    """Watched once the request finishes (before that, the request holds them)."""
+    failed: bool = False
+
+
+@dataclass
+class _Request:
+    jobs: set[JobId] = field(default_factory=set)
+    finished: bool = False
+
+
+class JobLedger:
+    def __init__(self, num_workers: int = 1) -> None:
+        if num_workers < 1:
+            raise ValueError("num_workers must be >= 1")
+        self.num_workers = num_workers
+        self._next_id: JobId = 0
+        self._stale_below: JobId = 0
+        self._jobs: dict[JobId, Job] = {}
+        self._requests: dict[ReqId, _Request] = {}
+        self._block_fences: dict[int, set[JobId]] = {}
+        self._allocated_this_step: set[int] = set()
+        self._flush_this_step: set[JobId] = set()
+
+    # -- queries -------------------------------------------------------------------
+    def has_jobs(self, req_id: ReqId) -> bool:
+        r = self._requests.get(req_id)
+        return bool(r and r.jobs)
+
+    def jobs_of(self, req_id: ReqId) -> frozenset[JobId]:
+        r = self._requests.get(req_id)
+        return frozenset(r.jobs) if r else frozenset()
+
+    def job(self, job_id: JobId) -> Job:
+        return self._jobs[job_id]
+
+    @property
+    def num_jobs(self) -> int:
+        return len(self._jobs)
+
+    @property
+    def num_fenced_blocks(self) -> int:
+        return len(self._block_fences)
+
+    def is_empty(self) -> bool:
+        return not (self._jobs or self._block_fences or self._requests)
+
+    def tracked_requests(self) -> frozenset[ReqId]:
+        return frozenset(self._requests)
+
+    # -- requests --------------------------------------------------------------------
+    def request_finished(self, req_id: ReqId) -> None:
+        """The engine finished (or aborted) the request and frees its blocks:
+        its stores' deferred fences start being watched. The request stays
+        tracked (its final stores may still be added) until ``forget`` or
+        until its last job completes."""
+        r = self._requests.setdefault(req_id, _Request())
+        r.finished = True
+        for jid in r.jobs:
+            job = self._jobs[jid]
+            self._fence(job.deferred_fence_block_ids, jid)
+            if not self._allocated_this_step.isdisjoint(job.deferred_fence_block_ids):
+                self._flush_this_step.add(jid)
+
+    def request_preempted(self, req_id: ReqId) -> None:
+        """A preempted request's blocks are freed now: flush its stores."""
+        r = self._requests.get(req_id)
+        if r is not None:
+            self._flush_this_step.update(r.jobs)
+
+    # -- step --------------------------------------------------------------------------
+    def blocks_allocated(self, block_ids: Iterable[int]) -> None:
+        self._allocated_this_step.update(b for b in block_ids if b != 0)
+
+    def collect_fence_flushes(self) -> None:
+        if self._block_fences and self._allocated_this_step:
+            for bid in self._allocated_this_step.intersection(self._block_fences):
+                self._flush_this_step.update(self._block_fences[bid])
+
+    def end_step(self) -> set[JobId]:
+        flush = self._flush_this_step
+        self._flush_this_step = set()
+        self._allocated_this_step = set()
+        return flush
+
+    # -- jobs ----------------------------------------------------------------------------
+    def _new_id(self) -> JobId:
+        jid = self._next_id
+        self._next_id += 1
+        return jid
+
+    def add_load(self, req_id: ReqId, keys: Sequence[ChunkKey]) -> JobId:
+        r = self._requests.setdefault(req_id, _Request())
+        assert not r.jobs, f"load for {req_id} while it has jobs in flight"
+        assert not r.finished, f"load for finished request {req_id}"
+        jid = self._new_id()
+        self._jobs[jid] = Job(jid, req_id, False, tuple(keys), self.num_workers)
+        r.jobs.add(jid)
+        return jid
+
+    def add_store(
+        self,
+        req_id: ReqId,
+        keys: Sequence[ChunkKey],
+        *,
+        fenced_block_ids: Sequence[int] = (),
+        deferred_fence_block_ids: Sequence[int] = (),
+    ) -> JobId:
+        r = self._requests.setdefault(req_id, _Request())
+        assert all(self._jobs[j].is_store for j in r.jobs), f"store for {req_id} during a load"
+        jid = self._new_id()
+        job = Job(
+            jid,
+            req_id,
+            True,
+            tuple(keys),
+            self.num_workers,
+            tuple(b for b in fenced_block_ids if b != 0),
+            tuple(b for b in deferred_fence_block_ids if b != 0),
+        )
+        self._jobs[jid] = job
+        r.jobs.add(jid)
+        self._fence(job.fenced_block_ids, jid)
+        if r.finished:
+            self._fence(job.deferred_fence_block_ids, jid)
+            if not self._allocated_this_step.isdisjoint(job.deferred_fence_block_ids):
+                self._flush_this_step.add(jid)
+        return jid
+
+    def complete(self, job_id: JobId, count: int = 1, *, failed: bool = False) -> Job | None:
+        """Record ``count`` worker reports; returns the job once all reported.
+        Reports for ids issued before the last reset are ignored."""
+        assert count > 0
+        if job_id < self._stale_below:
+            return None
+        job = self._jobs[job_id]
+        job.failed |= failed
+        job.pending_workers -= count
+        assert job.pending_workers >= 0, f"job {job_id} over-reported"
+        if job.pending_workers:
+            return None
+        del self._jobs[job_id]
+        self._unfence(job.fenced_block_ids, job_id)
+        r = self._requests[job.req_id]
+        if r.finished:
+            self._unfence(job.deferred_fence_block_ids, job_id)
+        r.jobs.discard(job_id)
+        self._maybe_forget(job.req_id)
+        return job
+
+    def reset(self) -> set[JobId]:
+        """Discard every job; returns the ids workers must still flush."""
+        assert not self._allocated_this_step, "reset() inside a scheduler step"
+        flush = set(self._jobs) | self._flush_this_step
+        self._stale_below = self._next_id
+        self._jobs.clear()
+        self._block_fences.clear()
+        for req_id in [rid for rid, r in self._requests.items() if r.finished]:
+            del self._requests[req_id]
+        for r in self._requests.values():
+            r.jobs.clear()
+        self._flush_this_step = flush
+        return set(flush)
+
+    def forget(self, req_id: ReqId) -> None:
+        """Stop tracking a request that has no job in flight."""
+        r = self._requests.get(req_id)
+        if r is not None and not r.jobs:
+            del self._requests[req_id]
+
+    # -- internals -------------------------------------------------------------------------
+    def _fence(self, block_ids: Iterable[int], jid: JobId) -> None:
+        for bid in block_ids:
+            self._block_fences.setdefault(bid, set()).add(jid)
+
+    def _unfence(self, block_ids: Iterable[int], jid: JobId) -> None:
+        for bid in block_ids:
+            pending = self._block_fences.get(bid)
+            if pending is None:
+                continue
+            pending.discard(jid)
+            if not pending:
+                del self._block_fences[bid]
+
+    def _maybe_forget(self, req_id: ReqId) -> None:
+        r = self._requests.get(req_id)
+        if r is not None and r.finished and not r.jobs:
+            del self._requests[req_id]

@@ -1,0 +1,163 @@
+"""Counters and histograms for everything kvsdk does, with a snapshot API and
+an optional Prometheus exporter.
+
+Names follow Prometheus conventions (``_total`` counters, ``_bytes`` and
+``_seconds`` units); labels are small fixed sets (tier, direction, result).
+Recording is a dict update, cheap enough for every scheduler step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+Labels = tuple[tuple[str, str], ...]
+
+SECONDS_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+BYTES_BUCKETS = tuple(float(1 << s) for s in range(12, 34, 2))
+
+COUNTERS = {
+    "kvsdk_lookup_hits_total": "Chunk lookups answered HIT, by tier",
+    "kvsdk_lookup_misses_total": "Chunk lookups answered MISS",
+    "kvsdk_lookup_deferred_total": "Chunk lookups answered HIT_PENDING or RETRY",
+    "kvsdk_hit_tokens_total": "Tokens the planner promised to load",
+    "kvsdk_stored_bytes_total": "Bytes stored, by tier",
+    "kvsdk_loaded_bytes_total": "Bytes loaded into the engine or promoted, by tier",
+    "kvsdk_allocation_failures_total": "Stores refused for lack of room",
+    "kvsdk_evictions_total": "Chunks evicted, by tier",
+    "kvsdk_backend_errors_total": "Backend failures degraded to misses, by tier",
+    "kvsdk_corrupt_chunks_total": "Chunks that failed integrity checks, by tier",
+    "kvsdk_failed_jobs_total": "Transfer jobs that failed, by direction",
+    "kvsdk_dropped_writes_total": "Write-throughs dropped because the queue was full, by tier",
+}
+HISTOGRAMS = {
+    "kvsdk_transfer_seconds": ("Time of one transfer job, by direction", SECONDS_BUCKETS),
+    "kvsdk_transfer_bytes": ("Bytes of one transfer job, by direction", BYTES_BUCKETS),
+    "kvsdk_lookup_delay_seconds": ("Planner time (sync) or deferral time (async)", SECONDS_BUCKETS),
+    "kvsdk_backend_seconds": ("Time of one batched backend call, by tier and op", SECONDS_BUCKETS),
+}
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.n += 1
+
+
+def _labels(labels: dict[str, Any]) -> Labels:
+    return tuple(sorted((k, str(v)) for k, v in labels.items()))
+
+
+class Metrics:
+    """Thread-safe registry of kvsdk's counters and histograms."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counters: dict[tuple[str, Labels], float] = {}
+        self._hists: dict[tuple[str, Labels], Histogram] = {}
+
+    def inc(self, name: str, value: float = 1.0, **labels: Any) -> None:
+        assert name in COUNTERS, name
+        key = (name, _labels(labels))
+        with self._lock:
+            self._counters[key] = self._counters.get(key, 0.0) + value
+
+    def observe(self, name: str, value: float, **labels: Any) -> None:
+        key = (name, _labels(labels))
+        with self._lock:
+            h = self._hists.get(key)
+            if h is None:
+                h = self._hists[key] = Histogram(HISTOGRAMS[name][1])
+            h.observe(value)
+
+    def counter(self, name: str, **labels: Any) -> float:
+        """One counter's value; with no labels given, the sum over all label sets."""
+        with self._lock:
+            if labels:
+                return self._counters.get((name, _labels(labels)), 0.0)
+            return sum(v for (n, _), v in self._counters.items() if n == name)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Plain-data copy: ``{"counters": {...}, "histograms": {...}}`` keyed by
+        ``name{label=value,...}``."""
+
+        def fmt(name: str, labels: Labels) -> str:
+            inner = ",".join(f"{k}={v}" for k, v in labels)
+            return f"{name}{{{inner}}}" if inner else name
+
+        with self._lock:
+            return {
+                "counters": {fmt(n, lb): v for (n, lb), v in sorted(self._counters.items())},
+                "histograms": {
+                    fmt(n, lb): {
+                        "count": h.n,
+                        "sum": h.total,
+                        "buckets": list(h.buckets),
+                        "counts": list(h.counts),
+                    }
+                    for (n, lb), h in sorted(self._hists.items())
+                },
+            }
+
+    def iter_counters(self) -> Iterator[tuple[str, Labels, float]]:
+        with self._lock:
+            items = list(self._counters.items())
+        for (n, lb), v in items:
+            yield n, lb, v
+
+    def iter_histograms(self) -> Iterator[tuple[str, Labels, Histogram]]:
+        with self._lock:
+            items = [
+                (k, Histogram(h.buckets, list(h.counts), h.total, h.n))
+                for k, h in self._hists.items()
+            ]
+        for (n, lb), h in items:
+            yield n, lb, h
+
+
+def start_prometheus_exporter(metrics: Metrics, port: int, addr: str = "127.0.0.1") -> Any:
+    """Serve ``metrics`` at ``http://addr:port/metrics`` (needs ``prometheus-client``)."""
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+    class _Collector:
+        def collect(self) -> Iterator[Any]:
+            fams: dict[str, Any] = {}
+            for name, labels, value in metrics.iter_counters():
+                fam = fams.get(name)
+                if fam is None:
+                    fam = fams[name] = CounterMetricFamily(
+                        name.removesuffix("_total"), COUNTERS[name], labels=[k for k, _ in labels]
+                    )
+                fam.add_metric([v for _, v in labels], value)
+            for name, labels, h in metrics.iter_histograms():
+                key = f"h:{name}:{','.join(k for k, _ in labels)}"
+                hfam = fams.get(key)
+                if hfam is None:
+                    hfam = fams[key] = HistogramMetricFamily(
+                        name, HISTOGRAMS[name][0], labels=[k for k, _ in labels]
+                    )
+                cum, buckets = 0, []
+                for bound, c in zip([*map(str, h.buckets), "+Inf"], h.counts):
+                    cum += c
+                    buckets.append((bound, cum))
+                hfam.add_metric([v for _, v in labels], buckets, h.total)
+            yield from fams.values()
+
+    registry = CollectorRegistry()
+    registry.register(_Collector())
+    return start_http_server(port, addr=addr, registry=registry)

@@ -1,0 +1,421 @@
+"""The engine-agnostic scheduler side of an offloading connector.
+
+An adapter translates its engine's calls into these, in this order per step:
+
+1. ``add_request`` when the engine first sees a request;
+2. ``lookup(req_id, num_computed_tokens)`` → tokens loadable from kvsdk
+   (``None``: ask again next step);
+3. ``allocated(req_id, block_ids, num_external_tokens)`` once the engine
+   allocated blocks for the hit → a load job for this step;
+4. ``build_step(...)`` with the step's scheduled / preempted / finished
+   requests and newly allocated blocks → the step's jobs (loads, stores and
+   ids to flush) for the transfer workers;
+5. ``worker_results(...)`` with what the workers finished → failed loads'
+   engine blocks, so the engine recomputes them;
+6. ``request_finished`` when the engine is done with a request.
+
+All inputs are plain data: request ids, engine block hashes, block ids per
+KV group, token counts. Keys come from the engine's block hashes (one per
+``tokens_per_hash`` tokens) or, if it has none, from the token ids.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvsdk.events import KVEvent
+from kvsdk.keys import Namespace, chunk_key, token_chunk_hashes
+from kvsdk.ledger import JobLedger
+from kvsdk.metrics import Metrics
+from kvsdk.planner import LookupPlanner, PlanRequest
+from kvsdk.store.tiered import TieredStore
+from kvsdk.transfer import BlockCopies, Direction, TransferJob
+from kvsdk.types import ChunkKey, GroupKind, KVGroupSpec, ReqId, cdiv
+
+
+@dataclass
+class _Request:
+    req_id: ReqId
+    num_prompt_tokens: int
+    num_tokens: int
+    hashes: list[bytes]
+    """One chain hash per ``tokens_per_hash`` tokens (the engine's list, shared)."""
+    block_ids: list[list[int]]
+    keys: list[list[ChunkKey]]
+    next_store_chunk: list[int]
+    num_computed_local: int = 0
+    deferred_since: float | None = None
+    finished: bool = False
+    load_job: int | None = None
+
+
+@dataclass(frozen=True)
+class StepJobs:
+    loads: tuple[TransferJob, ...]
+    stores: tuple[TransferJob, ...]
+    flush: frozenset[int]
+    """Jobs the workers must finish before this step's forward pass."""
+
+
+@dataclass
+class WorkerResult:
+    job_id: int
+    ok: bool = True
+    count: int = 1
+    """How many workers this report stands for."""
+
+
+@dataclass
+class _PendingLoad:
+    engine_blocks: frozenset[int]
+    keys: tuple[ChunkKey, ...] = field(default_factory=tuple)
+
+
+class OffloadScheduler:
+    def __init__(
+        self,
+        groups: Sequence[KVGroupSpec],
+        namespace: Namespace,
+        store: TieredStore,
+        *,
+        tokens_per_hash: int | None = None,
+        num_workers: int = 1,
+        max_load_tokens: int | None = None,
+        mamba_align_tokens: int | None = None,
+        track_chunks_being_loaded: bool = True,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.groups = tuple(groups)
+        self.namespace = namespace
+        self.ns_fp = namespace.fingerprint
+        self.store = store
+        self.metrics = metrics or store.metrics
+        self.tokens_per_hash = tokens_per_hash or self.groups[0].tokens_per_block
+        for g in self.groups:
+            if g.tokens_per_chunk % self.tokens_per_hash:
+                raise ValueError(
+                    f"group {g.index}: chunk of {g.tokens_per_chunk} tokens is not a multiple "
+                    f"of the hash block ({self.tokens_per_hash} tokens)"
+                )
+        self.planner = LookupPlanner(
+            self.groups, mamba_align_tokens=mamba_align_tokens, tokens_per_hash=self.tokens_per_hash
+        )
+        self.ledger = JobLedger(num_workers)
+        self.max_load_tokens = max_load_tokens
+        self._requests: dict[ReqId, _Request] = {}
+        self._being_loaded: dict[ChunkKey, int] | None = {} if track_chunks_being_loaded else None
+        self._step_loads: list[TransferJob] = []
+        self._pending_loads: dict[int, _PendingLoad] = {}
+
+    # -- requests ---------------------------------------------------------------------
+    def add_request(
+        self,
+        req_id: ReqId,
+        *,
+        num_prompt_tokens: int,
+        block_hashes: list[bytes] | None = None,
+        token_ids: Sequence[int] | None = None,
+    ) -> None:
+        """``block_hashes`` (the engine's, updated in place as the request
+        grows) or ``token_ids`` (kvsdk hashes them) identify the content."""
+        if block_hashes is None:
+            if token_ids is None:
+                raise ValueError("add_request needs block_hashes or token_ids")
+            block_hashes = token_chunk_hashes(token_ids, self.tokens_per_hash)
+        self._requests[req_id] = _Request(
+            req_id=req_id,
+            num_prompt_tokens=num_prompt_tokens,
+            num_tokens=num_prompt_tokens,
+            hashes=block_hashes,
+            block_ids=[[] for _ in self.groups],
+            keys=[[] for _ in self.groups],
+            next_store_chunk=[0] * len(self.groups),
+        )
+
+    def _refresh_keys(self, r: _Request) -> None:
+        n_hash = len(r.hashes)
+        for gi, g in enumerate(self.groups):
+            per = g.tokens_per_chunk // self.tokens_per_hash
+            keys = r.keys[gi]
+            for c in range(len(keys), n_hash // per):
+                key = chunk_key(self.ns_fp, r.hashes[(c + 1) * per - 1], g.index)
+                keys.append(key)
+                self.store.events.annotate(key, (g.index, c, r.hashes[(c + 1) * per - 1]))
+
+    def has_request(self, req_id: ReqId) -> bool:
+        return req_id in self._requests
+
+    # -- lookup -------------------------------------------------------------------------
+    def lookup(
+        self,
+        req_id: ReqId,
+        num_computed_tokens: int,
+        *,
+        num_tokens: int | None = None,
+        max_num_new_tokens: int | None = None,
+    ) -> int | None:
+        """Tokens beyond ``num_computed_tokens`` that can be loaded; None: ask again."""
+        r = self._requests[req_id]
+        if num_tokens is not None:
+            r.num_tokens = num_tokens
+        for ids in r.block_ids:
+            ids.clear()
+        if self.ledger.has_jobs(req_id):
+            return None  # its stores must land before anything is loaded into it
+        self._refresh_keys(r)
+        r.num_computed_local = num_computed_tokens
+        start = time.perf_counter()
+        plan = self.planner.plan(
+            PlanRequest(
+                req_id=req_id,
+                num_tokens=r.num_tokens,
+                num_prompt_tokens=r.num_prompt_tokens,
+                num_computed_tokens=num_computed_tokens,
+                group_keys=r.keys,
+                max_load_tokens=self.max_load_tokens,
+            ),
+            self.store.lookup,
+            max_num_new_tokens=max_num_new_tokens,
+            being_loaded=self._being_loaded,
+        )
+        now = time.perf_counter()
+        self.metrics.observe("kvsdk_lookup_delay_seconds", now - start, kind="sync")
+        if plan is None:
+            if r.deferred_since is None:
+                r.deferred_since = start
+            return None
+        if r.deferred_since is not None:
+            self.metrics.observe("kvsdk_lookup_delay_seconds", now - r.deferred_since, kind="async")
+            r.deferred_since = None
+        if plan.num_hit_tokens:
+            self.metrics.inc("kvsdk_hit_tokens_total", plan.num_hit_tokens)
+        return plan.num_hit_tokens
+
+    # -- loads ----------------------------------------------------------------------------
+    def allocated(
+        self, req_id: ReqId, block_ids: Sequence[Sequence[int]], num_external_tokens: int
+    ) -> None:
+        """The engine allocated blocks (per group, the request's full list) for
+        ``num_external_tokens`` promised by ``lookup``: queue their load."""
+        r = self._requests[req_id]
+        for gi, ids in enumerate(block_ids):
+            r.block_ids[gi] = list(ids)
+            self.ledger.blocks_allocated(ids)
+        if num_external_tokens == 0:
+            return
+        end = r.num_computed_local + num_external_tokens
+        keys: list[ChunkKey] = []
+        per_group: list[tuple[int, list[int], list[int], list[int]]] = []
+        for gi, g in enumerate(self.groups):
+            tpb, bpc = g.tokens_per_block, g.blocks_per_chunk
+            first_block = cdiv(r.num_computed_local, tpb)
+            needed = g.needed_chunks(r.num_computed_local, end)
+            first_block = max(first_block, needed.start * bpc)
+            eb, chunks, offs = [], [], []
+            for b in range(first_block, cdiv(end, tpb)):
+                bid = r.block_ids[gi][b]
+                if bid == 0:
+                    continue
+                eb.append(bid)
+                chunks.append(b // bpc)
+                offs.append(b % bpc)
+            for c in dict.fromkeys(chunks):
+                keys.append(r.keys[gi][c])
+            per_group.append((gi, eb, chunks, offs))
+        slots = dict(zip(keys, self.store.prepare_load(keys)))
+        copies = tuple(
+            BlockCopies(
+                group=self.groups[gi].index,
+                engine_blocks=np.asarray(eb, dtype=np.int64),
+                slots=np.asarray([slots[r.keys[gi][c]] for c in chunks], dtype=np.int64),
+                offsets=np.asarray(offs, dtype=np.int64),
+            )
+            for gi, eb, chunks, offs in per_group
+        )
+        job_id = self.ledger.add_load(req_id, keys)
+        self._step_loads.append(TransferJob(job_id, Direction.LOAD, copies))
+        self._pending_loads[job_id] = _PendingLoad(
+            frozenset(b for _, eb, _, _ in per_group for b in eb), tuple(keys)
+        )
+        if self._being_loaded is not None:
+            for k in keys:
+                self._being_loaded[k] = self._being_loaded.get(k, 0) + 1
+        for gi, g in enumerate(self.groups):  # loaded chunks need no store
+            r.next_store_chunk[gi] = max(r.next_store_chunk[gi], end // g.tokens_per_chunk)
+
+    # -- the step ---------------------------------------------------------------------------
+    def build_step(
+        self,
+        *,
+        computed_after_step: Mapping[ReqId, int],
+        new_block_ids: Mapping[ReqId, Sequence[Sequence[int]]] = {},
+        preempted: Iterable[ReqId] = (),
+        finished: Mapping[ReqId, int] = {},
+        reallocated_block_ids: Iterable[int] = (),
+    ) -> StepJobs:
+        """Close a scheduler step.
+
+        ``computed_after_step``: for each scheduled request, tokens whose KV
+        will be in the engine after this step; ``new_block_ids``: blocks
+        appended this step (per group); ``finished``: requests finished in
+        the previous step → tokens of theirs safe to store (the engine's
+        commit point); ``reallocated_block_ids``: other blocks written this
+        step (e.g. copy-on-write destinations).
+        """
+        for req_id, groups in new_block_ids.items():
+            r = self._requests.get(req_id)
+            for gi, ids in enumerate(groups):
+                if r is not None:
+                    r.block_ids[gi].extend(ids)
+                self.ledger.blocks_allocated(ids)
+        self.ledger.blocks_allocated(reallocated_block_ids)
+        for req_id in preempted:
+            self.ledger.request_preempted(req_id)
+            r = self._requests.get(req_id)
+            if r is not None:
+                for ids in r.block_ids:
+                    ids.clear()
+        for req_id in finished:
+            self.ledger.request_finished(req_id)
+        self.ledger.collect_fence_flushes()
+        stores = [
+            job
+            for req_id, upto in [*computed_after_step.items(), *finished.items()]
+            if (job := self._store_job(req_id, upto)) is not None
+        ]
+        for req_id in finished:
+            self._finish(req_id)
+        loads, self._step_loads = tuple(self._step_loads), []
+        flush = frozenset(self.ledger.end_step())
+        self.store.step()
+        return StepJobs(loads, tuple(stores), flush)
+
+    def _store_job(self, req_id: ReqId, upto: int) -> TransferJob | None:
+        r = self._requests.get(req_id)
+        if r is None:
+            return None
+        self._refresh_keys(r)
+        candidates: list[tuple[int, int]] = []  # (group position, chunk)
+        for gi, g in enumerate(self.groups):
+            bpc = g.blocks_per_chunk
+            ids = r.block_ids[gi]
+            stop = min(upto // g.tokens_per_chunk, len(r.keys[gi]), len(ids) // bpc)
+            for c in range(r.next_store_chunk[gi], stop):
+                if all(ids[c * bpc : (c + 1) * bpc]):  # a 0 is a skipped (null) block
+                    candidates.append((gi, c))
+            r.next_store_chunk[gi] = max(r.next_store_chunk[gi], stop)
+        if not candidates:
+            return None
+        plan = self.store.prepare_store([r.keys[gi][c] for gi, c in candidates])
+        if plan is None or not plan.keys:
+            return None
+        slot_of = dict(zip(plan.keys, plan.slots))
+        fenced: list[int] = []
+        deferred: list[int] = []
+        copies = []
+        for gi, g in enumerate(self.groups):
+            bpc = g.blocks_per_chunk
+            eb: list[int] = []
+            slots: list[int] = []
+            offs: list[int] = []
+            for gj, c in candidates:
+                key = r.keys[gi][c] if gj == gi else None
+                if key is None or key not in slot_of:
+                    continue
+                ids = r.block_ids[gi][c * bpc : (c + 1) * bpc]
+                eb.extend(ids)
+                slots.extend([slot_of[key]] * bpc)
+                offs.extend(range(bpc))
+                (deferred if g.kind is GroupKind.FULL_ATTENTION else fenced).extend(ids)
+            if eb:
+                copies.append(
+                    BlockCopies(
+                        group=g.index,
+                        engine_blocks=np.asarray(eb, dtype=np.int64),
+                        slots=np.asarray(slots, dtype=np.int64),
+                        offsets=np.asarray(offs, dtype=np.int64),
+                    )
+                )
+        job_id = self.ledger.add_store(
+            req_id, plan.keys, fenced_block_ids=fenced, deferred_fence_block_ids=deferred
+        )
+        return TransferJob(job_id, Direction.STORE, tuple(copies))
+
+    # -- completions ----------------------------------------------------------------------------
+    def worker_results(self, results: Iterable[WorkerResult]) -> set[int]:
+        """Apply worker reports; returns engine block ids of failed loads."""
+        failed_blocks: set[int] = set()
+        for res in results:
+            job = self.ledger.complete(res.job_id, res.count, failed=not res.ok)
+            if job is None:
+                continue
+            if job.is_store:
+                self.store.complete_store(job.keys, ok=not job.failed)
+                if job.failed:
+                    self.metrics.inc("kvsdk_failed_jobs_total", direction="store")
+            else:
+                pending = self._pending_loads.pop(job.job_id)
+                self.store.complete_load(job.keys)
+                if self._being_loaded is not None:
+                    for k in job.keys:
+                        n = self._being_loaded.get(k, 0) - 1
+                        if n > 0:
+                            self._being_loaded[k] = n
+                        else:
+                            self._being_loaded.pop(k, None)
+                if job.failed:
+                    self.metrics.inc("kvsdk_failed_jobs_total", direction="load")
+                    failed_blocks |= pending.engine_blocks
+            r = self._requests.get(job.req_id)
+            if r is not None and r.finished and not self.ledger.has_jobs(job.req_id):
+                del self._requests[job.req_id]
+        return failed_blocks
+
+    def request_finished(self, req_id: ReqId) -> None:
+        """The engine is done with the request (its blocks are about to be freed).
+        Remaining chunks are stored by the next ``build_step`` via ``finished``."""
+        r = self._requests.get(req_id)
+        if r is None:
+            return
+        if r.deferred_since is not None:
+            self.metrics.observe(
+                "kvsdk_lookup_delay_seconds", time.perf_counter() - r.deferred_since, kind="async"
+            )
+            r.deferred_since = None
+
+    def _finish(self, req_id: ReqId) -> None:
+        self.ledger.forget(req_id)
+        r = self._requests.get(req_id)
+        if r is None:
+            return
+        r.finished = True
+        if not self.ledger.has_jobs(req_id):
+            del self._requests[req_id]
+
+    # -- housekeeping ---------------------------------------------------------------------------
+    def has_pending_work(self) -> bool:
+        return self.ledger.num_jobs > 0 or self.store.has_pending_work()
+
+    def reset(self) -> frozenset[int]:
+        """Forget every stored chunk and in-flight job; returns ids to flush."""
+        flush = self.ledger.reset()
+        for req_id in [rid for rid, r in self._requests.items() if r.finished]:
+            del self._requests[req_id]
+        for r in self._requests.values():
+            r.next_store_chunk = [0] * len(self.groups)
+        # loads still in flight keep their slots pinned until they complete
+        if self._being_loaded is not None:
+            self._being_loaded.clear()
+        self._pending_loads.clear()
+        self.store.reset()
+        return frozenset(flush)
+
+    def take_events(self) -> list[KVEvent]:
+        return self.store.events.take_events()
+
+    def num_tracked_requests(self) -> int:
+        return len(self._requests)

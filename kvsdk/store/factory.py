@@ -1,0 +1,56 @@
+"""Build a :class:`TieredStore` from a validated config."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from kvsdk import plugins_manager
+from kvsdk.backend import Backend, HostTier, TierContext
+from kvsdk.config import ConfigError, KVSDKConfig
+from kvsdk.events import EventTracker
+from kvsdk.keys import Namespace
+from kvsdk.metrics import Metrics
+from kvsdk.store.tiered import TieredStore
+
+
+def build_tiers(config: KVSDKConfig, namespace: Namespace, chunk_bytes: int) -> list[Backend]:
+    backends = plugins_manager.backends()
+    policy = plugins_manager.eviction_policies()[config.eviction]
+    tiers: list[Backend] = []
+    try:
+        for i, tier in enumerate(config.tiers):
+            ctx = TierContext(
+                namespace_fp=namespace.fingerprint,
+                namespace_hex=namespace.hex,
+                chunk_bytes=chunk_bytes,
+                tier_index=i,
+                policy_factory=partial(policy),
+            )
+            try:
+                tiers.append(backends[tier.backend](tier.options, ctx))
+            except (ValueError, OSError) as exc:
+                raise ConfigError(f"tiers[{i}] ({tier.backend}): {exc}") from None
+    except BaseException:
+        for t in tiers:
+            t.close()
+        raise
+    return tiers
+
+
+def build_store(
+    config: KVSDKConfig,
+    namespace: Namespace,
+    chunk_bytes: int,
+    *,
+    metrics: Metrics | None = None,
+) -> TieredStore:
+    host, *lower = build_tiers(config, namespace, chunk_bytes)
+    assert isinstance(host, HostTier)
+    return TieredStore(
+        host,
+        lower,
+        events=EventTracker(enabled=config.events.enabled, max_pending=config.events.max_pending),
+        metrics=metrics or Metrics(),
+        min_lookups=config.admission.min_lookups,
+        io_threads=config.io_threads,
+    )

@@ -1,0 +1,385 @@
+"""The tiered store: the manager the planner asks.
+
+Primitives, in the order an adapter calls them:
+
+- ``lookup(key)``           HIT (readable in host RAM) / HIT_PENDING (being
+                             promoted from a slower tier) / RETRY (a slower
+                             tier is being asked) / MISS
+- ``prepare_load(keys)``    host slots to copy from; entries pinned
+- ``complete_load(keys)``   unpin
+- ``prepare_store(keys)``   slots for the keys not yet stored (admission,
+                             eviction); None when there is no room
+- ``complete_store(keys)``  entries become readable (or are dropped on failure)
+                             and are written through to slower tiers
+- ``touch(keys)``           recency for eviction
+- ``step()``                once per scheduler step: send batched lookups to
+                             slower tiers, apply finished I/O, publish events
+- ``reset()``               nothing stored before it is served after it
+
+Threading: every method runs on the scheduler thread, which owns the host
+index. Slower tiers are called only from the I/O pool, with bytes going to
+and from slots that are reserved (not readable) or pinned (not evictable),
+so the two never race. The scheduler never waits for a slow tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+from kvsdk.backend import Backend, HostTier
+from kvsdk.events import EventKind, EventTracker
+from kvsdk.metrics import Metrics
+from kvsdk.types import ChunkKey, LookupResult
+
+log = logging.getLogger(__name__)
+
+_QUERYING, _PROMOTING, _ABSENT = "querying", "promoting", "absent"
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    keys: tuple[ChunkKey, ...]
+    """The subset of the requested keys to copy (others are stored or refused)."""
+    slots: tuple[int, ...]
+
+
+@dataclass
+class _Remote:
+    state: str
+    since: float
+    tier: int = -1
+
+
+@dataclass
+class _IO:
+    kind: str  # "query" | "promote" | "write" | "clear"
+    keys: list[ChunkKey]
+    future: Future[Any]
+    generation: int
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class TieredStore:
+    ABSENT_TTL_S = 1.0
+    """A slow-tier miss is remembered this long (another instance may store it later)."""
+    MAX_WRITES_IN_FLIGHT = 256
+    """Write-through batches in flight; beyond it new write-throughs are dropped (counted)."""
+
+    def __init__(
+        self,
+        host: HostTier,
+        lower: Sequence[Backend] = (),
+        *,
+        events: EventTracker | None = None,
+        metrics: Metrics | None = None,
+        min_lookups: int = 0,
+        io_threads: int = 4,
+    ) -> None:
+        self.host = host
+        self.lower = tuple(lower)
+        self.tiers: tuple[Backend, ...] = (host, *self.lower)
+        self.events = events or EventTracker()
+        self.metrics = metrics or Metrics()
+        self.min_lookups = min_lookups
+        self._lookup_counts: OrderedDict[ChunkKey, int] = OrderedDict()
+        self._remote: dict[ChunkKey, _Remote] = {}
+        self._to_query: list[ChunkKey] = []
+        self._io: list[_IO] = []
+        self._generation = 0
+        self._pool = (
+            ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvsdk-io")
+            if self.lower
+            else None
+        )
+
+    # -- lookups -----------------------------------------------------------------------
+    def lookup(self, key: ChunkKey) -> LookupResult:
+        if self.min_lookups:
+            self._count_lookup(key)
+        if self.host.slot_of(key) is not None:
+            self.metrics.inc("kvsdk_lookup_hits_total", tier=0)
+            return LookupResult.HIT
+        if not self.lower or self.host.contains(key):
+            self.metrics.inc("kvsdk_lookup_misses_total")
+            return LookupResult.MISS
+        remote = self._remote.get(key)
+        if remote is None or (
+            remote.state == _ABSENT and time.monotonic() - remote.since > self.ABSENT_TTL_S
+        ):
+            self._remote[key] = _Remote(_QUERYING, time.monotonic())
+            self._to_query.append(key)
+            remote = self._remote[key]
+        if remote.state == _ABSENT:
+            self.metrics.inc("kvsdk_lookup_misses_total")
+            return LookupResult.MISS
+        self.metrics.inc("kvsdk_lookup_deferred_total")
+        return LookupResult.RETRY if remote.state == _QUERYING else LookupResult.HIT_PENDING
+
+    def _count_lookup(self, key: ChunkKey) -> None:
+        self._lookup_counts[key] = self._lookup_counts.get(key, 0) + 1
+        self._lookup_counts.move_to_end(key)
+        if len(self._lookup_counts) > 4 * self.host.num_slots + 1024:
+            self._lookup_counts.popitem(last=False)
+
+    # -- loads ---------------------------------------------------------------------------
+    def prepare_load(self, keys: Sequence[ChunkKey]) -> list[int]:
+        slots = []
+        for key in keys:
+            slot = self.host.slot_of(key)
+            assert slot is not None, "prepare_load() of a chunk that is not readable"
+            slots.append(slot)
+        self.host.pin(keys)
+        self.host.touch(keys)
+        return slots
+
+    def complete_load(self, keys: Sequence[ChunkKey]) -> None:
+        self.host.unpin(keys)
+
+    # -- stores --------------------------------------------------------------------------
+    def prepare_store(self, keys: Sequence[ChunkKey]) -> StorePlan | None:
+        new = list(dict.fromkeys(k for k in keys if not self.host.contains(k)))
+        if self.min_lookups:
+            new = [k for k in new if self._lookup_counts.get(k, 0) >= self.min_lookups]
+        if not new:
+            return StorePlan((), ())
+        reserved = self.host.reserve(new)
+        if reserved is None:
+            self.metrics.inc("kvsdk_allocation_failures_total")
+            return None
+        slots, evicted = reserved
+        if evicted:
+            self.metrics.inc("kvsdk_evictions_total", len(evicted), tier=0)
+            self._record(EventKind.REMOVED, evicted, 0)
+        for key in new:
+            self._remote.pop(key, None)
+        return StorePlan(tuple(new), tuple(slots))
+
+    def complete_store(self, keys: Sequence[ChunkKey], ok: bool = True) -> None:
+        self.host.commit(keys, ok)
+        if not ok:
+            return
+        stored = [k for k in keys if self.host.slot_of(k) is not None]
+        if not stored:
+            return
+        self.metrics.inc("kvsdk_stored_bytes_total", len(stored) * self._slot_bytes, tier=0)
+        self._record(EventKind.STORED, stored, 0)
+        if self.lower:
+            self._write_through(stored)
+
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        self.host.touch(keys)
+
+    @property
+    def _slot_bytes(self) -> int:
+        return int(self.host.slab.shape[1])
+
+    # -- slow tiers -----------------------------------------------------------------------
+    def step(self) -> None:
+        """Once per scheduler step: apply finished I/O, then send this step's lookups."""
+        if self.lower:
+            self._reap()
+            if self._to_query:
+                keys, self._to_query = self._to_query, []
+                self._submit("query", keys, self._query, keys)
+        self.events.publish()
+
+    def has_pending_work(self) -> bool:
+        return bool(self._io or self._to_query)
+
+    def _submit(
+        self, kind: str, keys: list[ChunkKey], fn: Callable[..., Any], *args: Any, **extra: Any
+    ) -> None:
+        assert self._pool is not None
+        fut: Future[Any] = self._pool.submit(fn, *args)
+        self._io.append(_IO(kind, keys, fut, self._generation, dict(extra)))
+
+    def _query(self, keys: list[ChunkKey]) -> list[int]:
+        """I/O thread: the first slower tier holding each key (-1: none)."""
+        where = [-1] * len(keys)
+        todo = list(range(len(keys)))
+        for t, tier in enumerate(self.lower, start=1):
+            if not todo:
+                break
+            try:
+                found = self._timed(t, "exists", tier.exists, [keys[i] for i in todo])
+            except Exception as exc:
+                self._backend_failed(t, exc)
+                continue
+            rest = []
+            for i, ok in zip(todo, found):
+                if ok:
+                    where[i] = t
+                else:
+                    rest.append(i)
+            todo = rest
+        return where
+
+    def _promote(self, tier_index: int, keys: list[ChunkKey], slots: list[int]) -> list[bool]:
+        """I/O thread: copy keys from a slower tier into reserved host slots."""
+        tier = self.tiers[tier_index]
+        try:
+            values = self._timed(tier_index, "get", tier.get, keys)
+        except Exception as exc:
+            self._backend_failed(tier_index, exc)
+            return [False] * len(keys)
+        slab = self.host.slab.numpy()
+        out = []
+        for value, slot in zip(values, slots):
+            if value is None or len(value) != slab.shape[1]:
+                out.append(False)
+                continue
+            slab[slot] = np.frombuffer(value, dtype=np.uint8)
+            out.append(True)
+        return out
+
+    def _write(self, keys: list[ChunkKey], slots: list[int]) -> dict[int, list[ChunkKey]]:
+        """I/O thread: write pinned host entries through to every slower tier;
+        returns the keys each tier stored."""
+        slab = self.host.slab.numpy()
+        items = [(k, memoryview(slab[s])) for k, s in zip(keys, slots)]
+        stored: dict[int, list[ChunkKey]] = {}
+        for t, tier in enumerate(self.lower, start=1):
+            try:
+                ok = self._timed(t, "put", tier.put, items)
+            except Exception as exc:
+                self._backend_failed(t, exc)
+                continue
+            stored[t] = [k for k, good in zip(keys, ok) if good]
+        return stored
+
+    def _write_through(self, keys: list[ChunkKey]) -> None:
+        writes = sum(1 for io in self._io if io.kind == "write")
+        if writes >= self.MAX_WRITES_IN_FLIGHT:
+            self.metrics.inc("kvsdk_dropped_writes_total", len(keys), tier=1)
+            return
+        slots = [self.host.slot_of(k) for k in keys]
+        self.host.pin(keys)
+        self._submit("write", keys, self._write, keys, slots)
+
+    def _timed(self, tier: int, op: str, fn: Callable[[Any], _T], arg: Any) -> _T:
+        start = time.perf_counter()
+        out = fn(arg)
+        self.metrics.observe("kvsdk_backend_seconds", time.perf_counter() - start, tier=tier, op=op)
+        return out
+
+    def _backend_failed(self, tier: int, exc: BaseException) -> None:
+        self.metrics.inc("kvsdk_backend_errors_total", tier=tier)
+        log.warning(
+            "tier %d (%s) failed, serving misses: %s", tier, type(self.tiers[tier]).__name__, exc
+        )
+
+    def _reap(self) -> None:
+        """Scheduler thread: apply every finished I/O job."""
+        pending: list[_IO] = []
+        for io in self._io:
+            if not io.future.done():
+                pending.append(io)
+                continue
+            try:
+                result = io.future.result()
+            except Exception as exc:  # a bug in a backend: never crash serving
+                log.exception("kvsdk I/O job failed: %s", exc)
+                result = None
+            if io.kind == "write":
+                if io.generation == self._generation:
+                    self.host.unpin(io.keys)
+                    for t, stored in (result or {}).items():
+                        if stored:
+                            self.metrics.inc(
+                                "kvsdk_stored_bytes_total", len(stored) * self._slot_bytes, tier=t
+                            )
+                            self._record(EventKind.STORED, stored, t)
+                continue
+            if io.generation != self._generation:
+                continue  # issued before a reset: its answers are stale
+            if io.kind == "query":
+                self._apply_query(io.keys, result)
+            elif io.kind == "promote":
+                self._apply_promote(io, result)
+        self._io = pending
+
+    def _apply_query(self, keys: list[ChunkKey], where: list[int] | None) -> None:
+        now = time.monotonic()
+        by_tier: dict[int, list[ChunkKey]] = {}
+        for i, key in enumerate(keys):
+            t = where[i] if where else -1
+            if self.host.contains(key):
+                self._remote.pop(key, None)  # stored locally meanwhile
+            elif t < 0:
+                self._remote[key] = _Remote(_ABSENT, now)
+            else:
+                by_tier.setdefault(t, []).append(key)
+        for t, tkeys in by_tier.items():
+            reserved = self.host.reserve(tkeys)
+            if reserved is None:
+                self.metrics.inc("kvsdk_allocation_failures_total")
+                for key in tkeys:
+                    self._remote[key] = _Remote(_ABSENT, now)
+                continue
+            slots, evicted = reserved
+            if evicted:
+                self.metrics.inc("kvsdk_evictions_total", len(evicted), tier=0)
+                self._record(EventKind.REMOVED, evicted, 0)
+            for key in tkeys:
+                self._remote[key] = _Remote(_PROMOTING, now, t)
+            self._submit("promote", tkeys, self._promote, t, tkeys, slots, tier=t)
+
+    def _apply_promote(self, io: _IO, ok: list[bool] | None) -> None:
+        ok = ok or [False] * len(io.keys)
+        good = [k for k, g in zip(io.keys, ok) if g]
+        bad = [k for k, g in zip(io.keys, ok) if not g]
+        self.host.commit(good, True)
+        self.host.commit(bad, False)
+        now = time.monotonic()
+        for key in good:
+            self._remote.pop(key, None)
+        for key in bad:
+            self._remote[key] = _Remote(_ABSENT, now)
+        if good:
+            t = int(io.extra["tier"])  # type: ignore[call-overload]
+            self.metrics.inc("kvsdk_loaded_bytes_total", len(good) * self._slot_bytes, tier=t)
+            self._record(EventKind.STORED, good, 0)
+
+    # -- reset / shutdown -------------------------------------------------------------------
+    def reset(self) -> None:
+        """Drop every entry of every tier; late I/O results are ignored."""
+        self._generation += 1
+        for io in self._io:
+            if io.kind in ("write", "promote"):
+                io.future.exception()  # they use slots that are about to be freed
+        self._io = [io for io in self._io if not io.future.done()]
+        self._remote.clear()
+        self._to_query.clear()
+        self._lookup_counts.clear()
+        self.host.clear()
+        self.events.reset()
+        for t, tier in enumerate(self.tiers):
+            if t:
+                try:
+                    tier.clear()
+                except Exception as exc:
+                    self._backend_failed(t, exc)
+            self._record(EventKind.CLEARED, [], t)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._reap()
+        for tier in self.tiers:
+            try:
+                tier.close()
+            except Exception as exc:
+                log.warning("closing %s failed: %s", type(tier).__name__, exc)
+
+    def _record(self, kind: EventKind, keys: Sequence[ChunkKey], tier: int) -> None:
+        b = self.tiers[tier]
+        self.events.record(kind, keys, tier=tier, medium=b.medium, locality=b.locality)

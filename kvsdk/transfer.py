@@ -1,0 +1,126 @@
+"""Transfer workers: move KV blocks between an engine's paged tensors and host slots.
+
+The engine registers, per KV group, its per-layer paged tensors (dim 0 is the
+block id; everything after it is treated as the opaque bytes of one block).
+A host slot holds one chunk of one group laid out as
+``(num_layers, blocks_per_chunk, block_bytes)``, so a chunk's bytes are one
+contiguous region of the slab.
+
+Lifecycle, per engine step: ``submit`` jobs (returns at once), ``wait`` for the
+ids the scheduler asked to flush, ``poll`` finished ones. A failed job is
+reported with ``ok=False``; the adapter turns failed loads into recomputes.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+class Direction(str, enum.Enum):
+    LOAD = "load"
+    """host slot → engine block"""
+    STORE = "store"
+    """engine block → host slot"""
+
+
+@dataclass(frozen=True)
+class BlockCopies:
+    """Copies for one KV group, one entry per engine block (int64 arrays)."""
+
+    group: int
+    engine_blocks: np.ndarray
+    slots: np.ndarray
+    offsets: np.ndarray
+    """Block position inside its chunk (0 .. blocks_per_chunk - 1)."""
+
+    def __post_init__(self) -> None:
+        assert len(self.engine_blocks) == len(self.slots) == len(self.offsets)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.engine_blocks)
+
+
+@dataclass(frozen=True)
+class TransferJob:
+    job_id: int
+    direction: Direction
+    copies: tuple[BlockCopies, ...]
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    job_id: int
+    direction: Direction
+    ok: bool
+    num_bytes: int
+    seconds: float
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class GroupLayers:
+    """One KV group's paged tensors as registered by the engine."""
+
+    group: int
+    layers: tuple[torch.Tensor, ...]
+    blocks_per_chunk: int
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block in one layer."""
+        t = self.layers[0]
+        return int(t[0].numel() * t.element_size())
+
+    @property
+    def chunk_bytes(self) -> int:
+        return len(self.layers) * self.blocks_per_chunk * self.block_bytes
+
+
+def block_bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """View a paged tensor as ``(num_blocks, block_bytes)`` uint8 (no copy)."""
+    if not t[0].is_contiguous():
+        raise ValueError("each KV block must be contiguous in memory (dim 0 = block id)")
+    if t.stride(0) * t.element_size() != t[0].numel() * t.element_size():
+        # padded blocks: keep the stride, view each block's bytes
+        return t.view(torch.uint8).reshape(t.shape[0], -1)[:, : t[0].numel() * t.element_size()]
+    return t.view(t.shape[0], -1).view(torch.uint8)
+
+
+class TransferWorker(ABC):
+    """Executes jobs asynchronously; never blocks the caller except in ``wait``."""
+
+    name: str = ""
+
+    @abstractmethod
+    def register(self, groups: Sequence[GroupLayers], slab: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def submit(self, job: TransferJob) -> None: ...
+
+    @abstractmethod
+    def wait(self, job_ids: Iterable[int]) -> None:
+        """Block until these jobs (if known and unfinished) are done."""
+
+    @abstractmethod
+    def poll(self) -> list[TransferResult]:
+        """Jobs finished since the last poll (each reported once)."""
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+
+def slot_views(slab: torch.Tensor, g: GroupLayers) -> torch.Tensor:
+    """The slab as ``(num_slots, num_layers, blocks_per_chunk, block_bytes)`` for group ``g``."""
+    need = g.chunk_bytes
+    if need > slab.shape[1]:
+        raise ValueError(
+            f"group {g.group}: chunk of {need} B does not fit a {slab.shape[1]} B slot"
+        )
+    return slab[:, :need].view(slab.shape[0], len(g.layers), g.blocks_per_chunk, g.block_bytes)

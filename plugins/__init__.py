@@ -1,0 +1,1 @@
+"""Engine adapters (``kvsdk.plugins.vllm``, ``kvsdk.plugins.sglang``)."""

@@ -1,0 +1,1 @@
+"""SGLang adapter (HiCache storage backend ``KVSDKStorage``); lands with its issue."""

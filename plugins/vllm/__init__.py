@@ -1,0 +1,1 @@
+"""vLLM adapter (``KVSDKConnector``); lands with its issue."""
