@@ -63,7 +63,8 @@ class LRUPolicy(EvictionPolicy):
 
     name = "lru"
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 0) -> None:
+        del capacity  # LRU needs no size
         self._order: OrderedDict[ChunkKey, None] = OrderedDict()
 
     def insert(self, key: ChunkKey) -> None:

@@ -192,7 +192,7 @@ class JobLedger:
         self._jobs.clear()
         self._block_fences.clear()
         for req_id in [rid for rid, r in self._requests.items() if r.finished]:
-            del self._requests[req_id]
+            del self._requests[req_id]  # finished requests store nothing more
         for r in self._requests.values():
             r.jobs.clear()
         self._flush_this_step = flush

@@ -110,6 +110,7 @@ class OffloadScheduler:
         self._being_loaded: dict[ChunkKey, int] | None = {} if track_chunks_being_loaded else None
         self._step_loads: list[TransferJob] = []
         self._pending_loads: dict[int, _PendingLoad] = {}
+        self._loading_requests: set[ReqId] = set()
 
     # -- requests ---------------------------------------------------------------------
     def add_request(
@@ -237,6 +238,7 @@ class OffloadScheduler:
             for gi, eb, chunks, offs in per_group
         )
         job_id = self.ledger.add_load(req_id, keys)
+        self._loading_requests.add(req_id)
         self._step_loads.append(TransferJob(job_id, Direction.LOAD, copies))
         self._pending_loads[job_id] = _PendingLoad(
             frozenset(b for _, eb, _, _ in per_group for b in eb), tuple(keys)
@@ -296,8 +298,8 @@ class OffloadScheduler:
 
     def _store_job(self, req_id: ReqId, upto: int) -> TransferJob | None:
         r = self._requests.get(req_id)
-        if r is None:
-            return None
+        if r is None or r.req_id in self._loading_requests:
+            return None  # stores wait until the request's load landed
         self._refresh_keys(r)
         candidates: list[tuple[int, int]] = []  # (group position, chunk)
         for gi, g in enumerate(self.groups):
@@ -359,6 +361,7 @@ class OffloadScheduler:
                     self.metrics.inc("kvsdk_failed_jobs_total", direction="store")
             else:
                 pending = self._pending_loads.pop(job.job_id)
+                self._loading_requests.discard(job.req_id)
                 self.store.complete_load(job.keys)
                 if self._being_loaded is not None:
                     for k in job.keys:
@@ -411,6 +414,7 @@ class OffloadScheduler:
         if self._being_loaded is not None:
             self._being_loaded.clear()
         self._pending_loads.clear()
+        self._loading_requests.clear()
         self.store.reset()
         return frozenset(flush)
 

@@ -1,0 +1,513 @@
+"""``disk``: chunks as self-describing files in a local directory.
+
+Layout: ``<path>/<namespace_hex>/<shard>/<key_hex>.kvc``, each file one
+:mod:`kvsdk.chunk_format` frame. Directories are created ``0700``, files ``0600``.
+
+Contract with the tiered store (bytes in, bytes out; framing is ours):
+
+- ``put([(key, payload)])`` takes the raw chunk payload (bytes-like or a
+  numpy array), frames it (namespace, key, dtype, shape, checksum) and writes
+  it atomically: a temp file in the same directory, then ``os.replace``. A
+  reader never sees a partial file. A key already on disk is not rewritten
+  (keys are content hashes). Returns per item whether it is stored; a full
+  disk, permission error or read-only mount makes that item ``False``,
+  counted in ``stats()``, never an exception.
+- ``get(keys)`` returns the verified payload (a ``memoryview``, flat bytes) or
+  ``None``. A frame that fails verification is a miss: counted, and the file
+  deleted.
+- ``exists`` / ``get`` look at the file system, not only at the index, so
+  entries written by another process sharing the directory are found, and
+  entries it evicted are misses.
+
+The index (key -> file size, in LRU order) is rebuilt from the directory at
+start, oldest ``mtime`` first; hits refresh the file's ``mtime`` so the order
+survives restarts. Capacity is enforced over the entries this instance knows
+of (its scan, its writes, the other processes' entries it has seen).
+
+Thread-safe: the tiered store calls it from several I/O threads. Index and
+policy updates happen under one lock; file I/O happens outside it, spread over
+a small internal thread pool for batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Any, TypeVar
+
+from kvsdk.backend import Backend, Buffer, TierContext
+from kvsdk.chunk_format import (
+    FP_BYTES,
+    CorruptChunk,
+    UnverifiableChunk,
+    as_payload,
+    decode_chunk,
+    encode_header,
+)
+from kvsdk.config import BYTES
+from kvsdk.eviction import EvictionPolicy, LRUPolicy
+from kvsdk.hooks import hookimpl
+from kvsdk.types import ChunkKey, Locality, Medium
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".kvc"
+_ENTRY_RE = re.compile(r"^[0-9a-f]{32}\.kvc$")
+_TMP_PREFIX = ".tmp."
+STALE_TMP_SECONDS = 3600.0
+"""Temp files older than this are left-overs of a crashed writer; removed at start."""
+_ERRNO_STAT = {errno.ENOSPC: "enospc", errno.EACCES: "eacces", errno.EPERM: "eacces",
+               errno.EROFS: "erofs", errno.EDQUOT: "enospc"}  # fmt: skip
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+@dataclass(frozen=True)
+class DiskOptions:
+    path: str
+    """Directory for the cache (created if missing); may be shared by processes."""
+    capacity: int = field(default=64 << 30, metadata=BYTES)
+    """Bytes of chunk files this tier keeps (e.g. ``200GiB``); LRU beyond that."""
+    fsync: bool = False
+    """``fsync`` each file and its directory before it counts as stored."""
+    shards: int = 256
+    """Subdirectories per namespace (keeps directories small)."""
+    io_threads: int = 4
+    """Threads for per-file I/O within one batch (1: no pool)."""
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("path: expected a directory path")
+        if not 1 <= self.shards <= 65536:
+            raise ValueError(f"shards: got {self.shards}; expected 1 to 65536")
+        if self.io_threads < 1:
+            raise ValueError(f"io_threads: got {self.io_threads}; expected at least 1")
+
+
+class _BurstLog:
+    """Log a failure kind at most once per ``interval`` seconds, with a count."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self._interval = interval
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, kind: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(kind, -self._interval) < self._interval:
+                self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            n = self._suppressed.pop(kind, 0)
+        log.warning(msg + (f" (+{n} more since last report)" if n else ""), *args)
+
+
+class DiskBackend(Backend):
+    name = "disk"
+    Options = DiskOptions
+    medium = Medium.DISK
+    locality = Locality.NODE
+    supports_listing = True
+
+    def __init__(self, options: DiskOptions, context: TierContext) -> None:
+        if len(context.namespace_fp) != FP_BYTES:
+            raise ValueError("disk tier: the namespace fingerprint must be 16 bytes")
+        self.options = options
+        self._ns = context.namespace_fp
+        self._root = os.path.join(os.path.abspath(options.path), context.namespace_fp.hex())
+        self._shard_width = len(f"{options.shards - 1:x}")
+        self._lock = threading.Lock()
+        self._index: dict[ChunkKey, int] = {}  # key -> file size
+        self._reserved = 0  # bytes of writes in flight
+        self._used = 0  # bytes in the index
+        factory = context.policy_factory
+        self._policy: EvictionPolicy = (
+            factory(capacity=max(1, options.capacity // max(1, context.chunk_bytes)))
+            if factory
+            else LRUPolicy()
+        )
+        self._tmp_names = count()
+        self._burst = _BurstLog()
+        self._counters: dict[str, int] = dict.fromkeys(
+            ("hits", "misses", "puts", "put_skipped_present", "put_failures", "put_enospc",
+             "put_eacces", "put_erofs", "put_other_errors", "put_too_large", "put_no_room",
+             "corrupt", "unverifiable", "read_errors", "evictions", "deletes"), 0
+        )  # fmt: skip
+        self._pool = (
+            ThreadPoolExecutor(options.io_threads, thread_name_prefix="kvsdk-disk")
+            if options.io_threads > 1
+            else None
+        )
+        self._made_dirs: set[str] = set()
+        try:
+            os.makedirs(os.path.abspath(options.path), mode=0o700, exist_ok=True)
+            self._makedirs(self._root)
+        except OSError as exc:
+            self._burst.warning("mkdir", "disk tier: cannot create %s (%s); stores will fail",
+                                self._root, exc.strerror)  # fmt: skip
+        self._scan()
+
+    # -- paths -------------------------------------------------------------------------
+    def _shard_dir(self, key_hex: str) -> str:
+        if self.options.shards == 1:
+            return self._root
+        shard = int(key_hex[:8], 16) % self.options.shards
+        return os.path.join(self._root, f"{shard:0{self._shard_width}x}")
+
+    def _path(self, key: ChunkKey) -> str:
+        key_hex = key.hex()
+        return os.path.join(self._shard_dir(key_hex), key_hex + SUFFIX)
+
+    def _makedirs(self, path: str) -> None:
+        if path in self._made_dirs:
+            return
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        self._made_dirs.add(path)
+
+    # -- start-up scan ----------------------------------------------------------------
+    def _scan(self) -> None:
+        """Rebuild the index from the directory, oldest first; drop stale temp files."""
+        found: list[tuple[float, ChunkKey, int]] = []
+        now = time.time()
+        dirs = [self._root]
+        try:
+            dirs += [e.path for e in os.scandir(self._root) if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            return
+        for d in dirs:
+            try:
+                entries = list(os.scandir(d))
+            except OSError:
+                continue
+            for e in entries:
+                try:
+                    if e.name.startswith(_TMP_PREFIX):
+                        if now - e.stat().st_mtime > STALE_TMP_SECONDS:
+                            os.unlink(e.path)
+                        continue
+                    if not _ENTRY_RE.match(e.name) or not e.is_file(follow_symlinks=False):
+                        continue
+                    st = e.stat()
+                    key = bytes.fromhex(e.name[:32])
+                    want = self._path(key)
+                    if e.path != want:  # written with another shard count
+                        self._makedirs(os.path.dirname(want))
+                        os.replace(e.path, want)
+                    found.append((st.st_mtime, key, st.st_size))
+                except OSError:
+                    continue
+        found.sort()
+        with self._lock:
+            for _, key, size in found:
+                self._add_locked(key, size)
+            victims = self._victims_locked(0)
+        self._unlink_all(victims)
+
+    # -- index (call with the lock held) --------------------------------------------------
+    def _add_locked(self, key: ChunkKey, size: int) -> None:
+        old = self._index.get(key)
+        if old is None:
+            self._policy.insert(key)
+        else:
+            self._used -= old
+            self._policy.touch(key)
+        self._index[key] = size
+        self._used += size
+
+    def _forget_locked(self, key: ChunkKey) -> bool:
+        size = self._index.pop(key, None)
+        if size is None:
+            return False
+        self._used -= size
+        self._policy.remove(key)
+        return True
+
+    def _victims_locked(self, incoming: int) -> list[str]:
+        """Evict until ``incoming`` more bytes fit; the victims' paths (to unlink)."""
+        excess = self._used + self._reserved + incoming - self.options.capacity
+        if excess <= 0:
+            return []
+        chosen: list[ChunkKey] = []
+        for key in self._policy.candidates():
+            chosen.append(key)
+            excess -= self._index[key]
+            if excess <= 0:
+                break
+        for key in chosen:
+            self._policy.evicted(key)
+            self._used -= self._index.pop(key)
+        self._counters["evictions"] += len(chosen)
+        return [self._path(k) for k in chosen]
+
+    def _unlink_all(self, paths: Sequence[str]) -> None:
+        for path in paths:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def _map(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+        if self._pool is None or len(items) < 2:
+            return [fn(x) for x in items]
+        return list(self._pool.map(fn, items))
+
+    # -- Backend ------------------------------------------------------------------------
+    def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        out = []
+        for key in keys:
+            try:
+                st = os.stat(self._path(key))
+            except OSError:
+                with self._lock:
+                    self._forget_locked(key)
+                out.append(False)
+                continue
+            with self._lock:
+                if key not in self._index:
+                    self._add_locked(key, st.st_size)
+                    victims = self._victims_locked(0)
+                else:
+                    victims = []
+            self._unlink_all(victims)
+            out.append(True)
+        return out
+
+    def get(self, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
+        return self._map(self._get_one, keys)
+
+    def _get_one(self, key: ChunkKey) -> Buffer | None:
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                self._count("read_errors")
+                self._burst.warning("read", "disk tier: cannot open %s: %s", path, exc.strerror)
+            with self._lock:
+                self._forget_locked(key)
+            self._count("misses")
+            return None
+        try:
+            buf = _read_whole(fd)
+            with contextlib.suppress(OSError):  # read-only mount: fine
+                os.utime(fd)  # LRU order that survives restarts
+        except OSError as exc:
+            self._count("read_errors", "misses")
+            self._burst.warning("read", "disk tier: cannot read %s: %s", path, exc.strerror)
+            return None
+        finally:
+            os.close(fd)
+        try:
+            payload = decode_chunk(buf, namespace_fp=self._ns, key=key)
+        except UnverifiableChunk as exc:
+            self._count("unverifiable", "misses")
+            self._burst.warning("unverifiable", "disk tier: %s: %s", path, exc.reason)
+            return None
+        except CorruptChunk as exc:
+            self._count("corrupt", "misses")
+            self._burst.warning("corrupt", "disk tier: dropping %s: %s", path, exc.reason)
+            self.delete([key])
+            return None
+        with self._lock:
+            if key in self._index:
+                self._policy.touch(key)
+                victims = []
+            else:  # stored by another process
+                self._add_locked(key, len(buf))
+                victims = self._victims_locked(0)
+            self._counters["hits"] += 1
+        self._unlink_all(victims)
+        return payload
+
+    def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
+        return self._map(self._put_one, items)
+
+    def _put_one(self, item: tuple[ChunkKey, Any]) -> bool:
+        key, value = item
+        flat, dtype, shape = as_payload(value)
+        header = encode_header(self._ns, key, flat, dtype, shape)
+        size = len(header) + flat.nbytes
+        path = self._path(key)
+        try:
+            present: int | None = os.stat(path).st_size  # ours or another process's
+        except OSError:
+            present = None
+        with self._lock:
+            if present is not None:
+                if key in self._index:
+                    self._policy.touch(key)
+                    victims = []
+                else:
+                    self._add_locked(key, present)
+                    victims = self._victims_locked(0)
+                self._counters["put_skipped_present"] += 1
+        if present is not None:
+            self._unlink_all(victims)
+            return True
+        with self._lock:
+            if size > self.options.capacity:
+                self._counters["put_too_large"] += 1
+                self._counters["put_failures"] += 1
+                return False
+            victims = self._victims_locked(size)
+            if self._used + self._reserved + size > self.options.capacity:
+                self._counters["put_no_room"] += 1  # the rest is writes in flight
+                self._counters["put_failures"] += 1
+                ok = False
+            else:
+                self._reserved += size
+                ok = True
+        self._unlink_all(victims)
+        if not ok:
+            return False
+        try:
+            self._write_file(path, header, flat)
+        except OSError as exc:
+            kind = _ERRNO_STAT.get(exc.errno or 0, "other_errors")
+            self._count(f"put_{kind}", "put_failures")
+            self._burst.warning(
+                f"put_{kind}", "disk tier: store refused in %s: %s", self._root, exc.strerror
+            )
+            with self._lock:
+                self._reserved -= size
+            return False
+        with self._lock:
+            self._reserved -= size
+            self._add_locked(key, size)
+            self._counters["puts"] += 1
+        return True
+
+    def _write_file(self, path: str, header: bytes, payload: memoryview) -> None:
+        directory = os.path.dirname(path)
+        self._makedirs(directory)
+        tmp = os.path.join(
+            directory,
+            f"{_TMP_PREFIX}{os.path.basename(path)}.{os.getpid()}.{next(self._tmp_names)}",
+        )
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                _write_all(fd, header, payload)
+                if self.options.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        if self.options.fsync:
+            dfd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        n = 0
+        for key in keys:
+            with self._lock:
+                known = self._forget_locked(key)
+            try:
+                os.unlink(self._path(key))
+                removed = True
+            except OSError:
+                removed = False
+            n += known or removed
+        self._count_n("deletes", n)
+        return n
+
+    def clear(self) -> None:
+        with self._lock:
+            keys = list(self._index)
+            for key in keys:
+                self._forget_locked(key)
+        dirs = [self._root]
+        try:
+            dirs += [e.path for e in os.scandir(self._root) if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            return
+        for d in dirs:
+            try:
+                names = [e.path for e in os.scandir(d) if _ENTRY_RE.match(e.name)]
+            except OSError:
+                continue
+            self._unlink_all(names)
+
+    def iter_keys(self) -> Iterator[ChunkKey]:
+        with self._lock:
+            return iter(list(self._index))
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            out = {k: float(v) for k, v in self._counters.items()}
+            out.update(
+                entries=float(len(self._index)),
+                bytes_used=float(self._used),
+                bytes_reserved=float(self._reserved),
+                capacity_bytes=float(self.options.capacity),
+            )
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # -- helpers --------------------------------------------------------------------
+    def _count(self, *names: str) -> None:
+        with self._lock:
+            for name in names:
+                self._counters[name] += 1
+
+    def _count_n(self, name: str, n: int) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    def __repr__(self) -> str:
+        return f"DiskBackend({self._root!r}, capacity={self.options.capacity})"
+
+
+def _read_whole(fd: int) -> bytearray:
+    """The whole file; the buffer is sized from the file, never from its contents."""
+    size = os.fstat(fd).st_size
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            break  # shrank under us: the frame check reports truncation
+        got += n
+    del view
+    if got < size:
+        del buf[got:]
+    return buf
+
+
+def _write_all(fd: int, header: bytes, payload: memoryview) -> None:
+    parts = [memoryview(header), payload]
+    while parts:
+        n = os.writev(fd, parts)
+        if n == 0:
+            raise OSError(errno.EIO, "write made no progress")
+        while parts and n >= len(parts[0]):
+            n -= len(parts[0])
+            parts.pop(0)
+        if parts and n:
+            parts[0] = parts[0][n:]
+
+
+@hookimpl
+def kvsdk_backends() -> dict[str, Any]:
+    return {"disk": DiskBackend}
