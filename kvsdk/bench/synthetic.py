@@ -205,6 +205,7 @@ class SyntheticEngine:
                 new_block_ids=new_blocks,
                 finished=finished_prev,
             )
+            core += time.perf_counter() - c0
             for job in jobs.loads:
                 self.worker.submit(job)
             # stores that read blocks reused this step run before the forward pass
@@ -212,7 +213,6 @@ class SyntheticEngine:
             for job in early:
                 self.worker.submit(job)
             self.worker.wait(jobs.flush | {j.job_id for j in jobs.loads})
-            core += time.perf_counter() - c0
             # the forward pass: check loaded KV, compute the scheduled tokens
             for req in running:
                 if req.external:
@@ -233,8 +233,8 @@ class SyntheticEngine:
             for job in jobs.stores:
                 if job.job_id not in jobs.flush:
                     self.worker.submit(job)
-            c0 = time.perf_counter()
             results = [WorkerResult(r.job_id, r.ok) for r in self.worker.poll()]
+            c0 = time.perf_counter()
             failed = self.core.worker_results(results)
             self.stats.failed_load_blocks += len(failed)
             # finish requests

@@ -95,6 +95,7 @@ class TieredStore:
         self._to_query: list[ChunkKey] = []
         self._io: list[_IO] = []
         self._generation = 0
+        self._hits = self._misses = self._deferred = 0  # flushed to metrics by step()
         self._pool = (
             ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvsdk-io")
             if self.lower
@@ -106,10 +107,10 @@ class TieredStore:
         if self.min_lookups:
             self._count_lookup(key)
         if self.host.slot_of(key) is not None:
-            self.metrics.inc("kvsdk_lookup_hits_total", tier=0)
+            self._hits += 1
             return LookupResult.HIT
         if not self.lower or self.host.contains(key):
-            self.metrics.inc("kvsdk_lookup_misses_total")
+            self._misses += 1
             return LookupResult.MISS
         remote = self._remote.get(key)
         if remote is None or (
@@ -119,9 +120,9 @@ class TieredStore:
             self._to_query.append(key)
             remote = self._remote[key]
         if remote.state == _ABSENT:
-            self.metrics.inc("kvsdk_lookup_misses_total")
+            self._misses += 1
             return LookupResult.MISS
-        self.metrics.inc("kvsdk_lookup_deferred_total")
+        self._deferred += 1
         return LookupResult.RETRY if remote.state == _QUERYING else LookupResult.HIT_PENDING
 
     def _count_lookup(self, key: ChunkKey) -> None:
@@ -185,12 +186,23 @@ class TieredStore:
     # -- slow tiers -----------------------------------------------------------------------
     def step(self) -> None:
         """Once per scheduler step: apply finished I/O, then send this step's lookups."""
+        self.flush_metrics()
         if self.lower:
             self._reap()
             if self._to_query:
                 keys, self._to_query = self._to_query, []
                 self._submit("query", keys, self._query, keys)
         self.events.publish()
+
+    def flush_metrics(self) -> None:
+        """Move the per-lookup tallies (kept as plain ints on the hot path) into metrics."""
+        if self._hits:
+            self.metrics.inc("kvsdk_lookup_hits_total", self._hits, tier=0)
+        if self._misses:
+            self.metrics.inc("kvsdk_lookup_misses_total", self._misses)
+        if self._deferred:
+            self.metrics.inc("kvsdk_lookup_deferred_total", self._deferred)
+        self._hits = self._misses = self._deferred = 0
 
     def has_pending_work(self) -> bool:
         return bool(self._io or self._to_query)

@@ -1,0 +1,105 @@
+"""``kvsdk`` command line: config check / schema, plugins, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvsdk.config import ConfigError, dump_json_schema, load_config
+
+
+def _config_check(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(Path(args.file))
+    except ConfigError as exc:
+        print(f"{args.file}: {exc}", file=sys.stderr)
+        return 2
+    tiers = ", ".join(t.backend for t in cfg.tiers)
+    print(
+        f"{args.file}: OK (tiers: {tiers}; chunk_tokens={cfg.chunk_tokens}; "
+        f"eviction={cfg.eviction})"
+    )
+    return 0
+
+
+def _config_schema(args: argparse.Namespace) -> int:
+    text = dump_json_schema()
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    from kvsdk import plugins_manager
+
+    infos = plugins_manager.list_plugins()
+    if args.json:
+        print(json.dumps([i.__dict__ for i in infos], indent=2))
+        return 0
+    w = max(len(i.name) for i in infos)
+    for i in infos:
+        print(f"{i.name:<{w}}  {i.source:<10}  {', '.join(i.hooks)}")
+    print()
+    print("backends:          ", ", ".join(sorted(plugins_manager.backends())))
+    print("eviction policies: ", ", ".join(sorted(plugins_manager.eviction_policies())))
+    print("transfer workers:  ", ", ".join(sorted(plugins_manager.transfer_workers())))
+    return 0
+
+
+def _bench_core(args: argparse.Namespace) -> int:
+    from kvsdk.bench.core import format_table, run_core_bench
+    from kvsdk.bench.synthetic import TraceSpec
+
+    spec = TraceSpec(num_requests=args.requests, prefix_tokens=args.prefix_tokens, seed=args.seed)
+    result = run_core_bench(spec, out=Path(args.out), progress=not args.no_progress)
+    print(format_table(result))
+    print(f"\nJSON: {args.out}  plot: {Path(args.out).with_suffix('.png')}")
+    return 0 if result["mismatched_blocks"] == 0 else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvsdk", description="KV-cache offloading for LLM engines")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    cfg = sub.add_parser("config", help="validate a config file or export its schema")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
+    check = cfg_sub.add_parser("check", help="validate a YAML config file")
+    check.add_argument("file")
+    check.set_defaults(func=_config_check)
+    schema = cfg_sub.add_parser("schema", help="print the config's JSON Schema")
+    schema.add_argument("-o", "--output")
+    schema.set_defaults(func=_config_schema)
+
+    plugins = sub.add_parser("plugins", help="list installed plugins and the hooks they implement")
+    plugins.add_argument("--json", action="store_true")
+    plugins.set_defaults(func=_plugins)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    core = bench_sub.add_parser("core", help="core CPU time per step and per looked-up chunk")
+    core.add_argument("--requests", type=int, default=300)
+    core.add_argument("--prefix-tokens", type=int, default=2048)
+    core.add_argument("--seed", type=int, default=0)
+    core.add_argument("--out", default="out/bench_core.json")
+    core.add_argument("--no-progress", action="store_true")
+    core.set_defaults(func=_bench_core)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"kvsdk: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
