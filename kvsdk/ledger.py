@@ -43,6 +43,7 @@ class Job:
 class _Request:
     jobs: set[JobId] = field(default_factory=set)
     finished: bool = False
+    forget_when_idle: bool = False
 
 
 class JobLedger:
@@ -88,8 +89,7 @@ class JobLedger:
     def request_finished(self, req_id: ReqId) -> None:
         """The engine finished (or aborted) the request and frees its blocks:
         its stores' deferred fences start being watched. The request stays
-        tracked (its final stores may still be added) until ``forget`` or
-        until its last job completes."""
+        tracked (its final stores may still be added) until ``forget``."""
         r = self._requests.setdefault(req_id, _Request())
         r.finished = True
         for jid in r.jobs:
@@ -199,10 +199,12 @@ class JobLedger:
         return set(flush)
 
     def forget(self, req_id: ReqId) -> None:
-        """Stop tracking a request that has no job in flight."""
+        """No more jobs will be added for this request: stop tracking it once
+        its jobs in flight complete."""
         r = self._requests.get(req_id)
-        if r is not None and not r.jobs:
-            del self._requests[req_id]
+        if r is not None:
+            r.forget_when_idle = True
+            self._maybe_forget(req_id)
 
     # -- internals -------------------------------------------------------------------------
     def _fence(self, block_ids: Iterable[int], jid: JobId) -> None:
@@ -220,5 +222,5 @@ class JobLedger:
 
     def _maybe_forget(self, req_id: ReqId) -> None:
         r = self._requests.get(req_id)
-        if r is not None and r.finished and not r.jobs:
+        if r is not None and r.forget_when_idle and not r.jobs:
             del self._requests[req_id]
