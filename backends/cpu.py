@@ -153,12 +153,14 @@ class CPUBackend(HostTier):
         return out
 
     def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
-        new = [(k, v) for k, v in items if k not in self._slot and len(v) <= self.slot_bytes]
+        new = list(
+            {k: v for k, v in items if k not in self._slot and len(v) <= self.slot_bytes}.items()
+        )
         stored = {k for k, _ in new}
         if new:
             reserved = self.reserve([k for k, _ in new])
             if reserved is None:
-                return [False] * len(items)
+                return [self._state.get(k) == _READY for k, _ in items]
             for (key, value), slot in zip(new, reserved[0]):
                 data = np.frombuffer(value, dtype=np.uint8)
                 self._np[slot, : len(data)] = data

@@ -169,8 +169,9 @@ def _coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any]) -> Any:
 def _unknown_key(path: str, key: str, allowed: list[str]) -> ConfigError:
     hint = difflib.get_close_matches(key, allowed, n=1)
     did = f" (did you mean {hint[0]!r}?)" if hint else ""
+    shown = key if key.isidentifier() else repr(key)
     return ConfigError(
-        f"{path}{key}: unknown key; expected one of: {', '.join(sorted(allowed))}{did}"
+        f"{path}{shown}: unknown key; expected one of: {', '.join(sorted(allowed))}{did}"
     )
 
 
@@ -207,7 +208,7 @@ def _build_tier(item: Any, path: str, backends: Mapping[str, type]) -> TierConfi
         raise ConfigError(
             f"{path}.backend: missing; expected one of: {', '.join(sorted(backends))}"
         )
-    if name not in backends:
+    if not isinstance(name, str) or name not in backends:
         raise ConfigError(
             f"{path}.backend: got {name!r}; expected an installed backend: "
             f"{', '.join(sorted(backends))}"
@@ -302,7 +303,7 @@ def _schema_of(tp: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
         return {
             "anyOf": [
                 {"type": "integer", "minimum": 1},
-                {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*([kKmMgGtT]i?[bB]?|[bB])?\s*$"},
+                {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*([kKmMgGtT][iI]?[bB]?|[bB])?\s*$"},
             ]
         }
     if tp is bool:
