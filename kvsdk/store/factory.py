@@ -9,7 +9,7 @@ from kvsdk.backend import Backend, HostTier, TierContext
 from kvsdk.config import ConfigError, KVSDKConfig
 from kvsdk.events import EventTracker
 from kvsdk.keys import Namespace
-from kvsdk.metrics import Metrics
+from kvsdk.metrics import Metrics, start_prometheus_exporter
 from kvsdk.store.tiered import TieredStore
 
 
@@ -46,11 +46,15 @@ def build_store(
 ) -> TieredStore:
     host, *lower = build_tiers(config, namespace, chunk_bytes)
     assert isinstance(host, HostTier)
+    metrics = metrics or Metrics()
+    if config.metrics.prometheus_port is not None:
+        start_prometheus_exporter(metrics, config.metrics.prometheus_port)
+    plugins_manager.plugin_manager().hook.kvsdk_startup(config=config)
     return TieredStore(
         host,
         lower,
         events=EventTracker(enabled=config.events.enabled, max_pending=config.events.max_pending),
-        metrics=metrics or Metrics(),
+        metrics=metrics,
         min_lookups=config.admission.min_lookups,
         io_threads=config.io_threads,
     )

@@ -391,6 +391,9 @@ class TieredStore:
                 tier.close()
             except Exception as exc:
                 log.warning("closing %s failed: %s", type(tier).__name__, exc)
+        from kvsdk.plugins_manager import plugin_manager
+
+        plugin_manager().hook.kvsdk_shutdown()
 
     def _record(self, kind: EventKind, keys: Sequence[ChunkKey], tier: int) -> None:
         b = self.tiers[tier]
