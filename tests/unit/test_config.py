@@ -382,11 +382,6 @@ def test_json_schema_rejects_bad_configs(bad: dict[str, Any]) -> None:
         load_config(bad)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the schema's size pattern allows only a lowercase 'i' ([kKmMgGtT]i?) while "
-    "parse_size lower-cases the unit, so load_config accepts '8GIB' and the schema rejects it",
-)
 def test_json_schema_accepts_every_size_the_loader_accepts() -> None:
     jsonschema = pytest.importorskip("jsonschema")
     validator = jsonschema.Draft202012Validator(json_schema())

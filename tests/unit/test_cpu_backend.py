@@ -249,11 +249,6 @@ def test_bytes_written_into_a_slot_are_what_get_returns() -> None:
     assert bytes(b.get([k(9)])[0]) == payload.tobytes()  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="put() with the same key twice in one batch reserves two slots for it; the "
-    "first is never freed (num_used + free slots < num_slots forever after)",
-)
 def test_put_with_a_repeated_key_does_not_leak_a_slot() -> None:
     b = make(slots=4)
     b.put([(k(1), b"a"), (k(1), b"bb")])
@@ -261,11 +256,6 @@ def test_put_with_a_repeated_key_does_not_leak_a_slot() -> None:
     assert b.put([(k(i), b"x") for i in range(4)]) == [True] * 4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="put() returns [False] * len(items) when the new keys do not fit, even for "
-    "items whose key is already stored",
-)
 def test_put_reports_already_stored_keys_as_stored_when_new_ones_do_not_fit() -> None:
     b = make(slots=1)
     b.put([(k(1), b"a")])
