@@ -80,9 +80,10 @@ class DiskOptions:
     fsync: bool = False
     """``fsync`` each file and its directory before it counts as stored."""
     shards: int = 256
-    """Subdirectories per namespace (keeps directories small)."""
-    io_threads: int = 4
-    """Threads for per-file I/O within one batch (1: no pool)."""
+    """Subdirectories per namespace (keeps directories small); created at start."""
+    io_threads: int = 1
+    """Threads for per-file I/O within one batch (1: none). The tiered store already
+    runs batches on several threads; on a small machine more threads measured slower."""
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -153,6 +154,8 @@ class DiskBackend(Backend):
         try:
             os.makedirs(os.path.abspath(options.path), mode=0o700, exist_ok=True)
             self._makedirs(self._root)
+            for shard in range(options.shards if options.shards > 1 else 0):
+                self._makedirs(os.path.join(self._root, f"{shard:0{self._shard_width}x}"))
         except OSError as exc:
             self._burst.warning("mkdir", "disk tier: cannot create %s (%s); stores will fail",
                                 self._root, exc.strerror)  # fmt: skip
@@ -478,21 +481,23 @@ class DiskBackend(Backend):
         return f"DiskBackend({self._root!r}, capacity={self.options.capacity})"
 
 
-def _read_whole(fd: int) -> bytearray:
-    """The whole file; the buffer is sized from the file, never from its contents."""
+def _read_whole(fd: int) -> bytes:
+    """The whole file, sized from the file (never from its contents). ``os.read``
+    into a fresh ``bytes`` lets the kernel fault the pages in: a zero-filled
+    ``bytearray`` measured ~10x slower for 2 MiB chunks."""
     size = os.fstat(fd).st_size
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
-        n = os.readv(fd, [view[got:]])
-        if n == 0:
-            break  # shrank under us: the frame check reports truncation
-        got += n
-    del view
-    if got < size:
-        del buf[got:]
-    return buf
+    data = os.read(fd, size)
+    if len(data) < size:  # > 2 GiB, or shrank under us (the frame check reports it)
+        parts = [data]
+        got = len(data)
+        while got < size:
+            more = os.read(fd, size - got)
+            if not more:
+                break
+            parts.append(more)
+            got += len(more)
+        data = b"".join(parts)
+    return data
 
 
 def _write_all(fd: int, header: bytes, payload: memoryview) -> None:

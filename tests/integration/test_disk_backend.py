@@ -268,7 +268,8 @@ def _writer(path: str, seed: int, rounds: int) -> dict[str, float]:
         order = np.random.default_rng(seed * 100 + r).permutation(N_SHARED)
         assert all(b.put([(key(int(i)), payload(int(i), 20_000)) for i in order]))
         b.delete([key(int(i)) for i in order[:4]])  # forces rewrites next round
-    return b.stats()
+    stats: dict[str, float] = b.stats()
+    return stats
 
 
 def _reader(path: str, seconds: float) -> tuple[int, int]:
