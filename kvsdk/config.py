@@ -303,7 +303,10 @@ def _schema_of(tp: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
         return {
             "anyOf": [
                 {"type": "integer", "minimum": 1},
-                {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*([kKmMgGtT][iI]?[bB]?|[bB])?\s*$"},
+                {
+                    "type": "string",
+                    "pattern": r"^\s*\d+(\.\d+)?\s*([kKmMgGtT][iI]?[bB]?|[bB])?\s*$",
+                },
             ]
         }
     if tp is bool:

@@ -255,6 +255,7 @@ class OffloadScheduler:
         *,
         computed_after_step: Mapping[ReqId, int],
         new_block_ids: Mapping[ReqId, Sequence[Sequence[int]]] = {},
+        replace_block_ids: Iterable[ReqId] = (),
         preempted: Iterable[ReqId] = (),
         finished: Mapping[ReqId, int] = {},
         reallocated_block_ids: Iterable[int] = (),
@@ -263,16 +264,21 @@ class OffloadScheduler:
 
         ``computed_after_step``: for each scheduled request, tokens whose KV
         will be in the engine after this step; ``new_block_ids``: blocks
-        appended this step (per group); ``finished``: requests finished in
+        appended this step (per group), or the full lists for requests in
+        ``replace_block_ids`` (new and resumed requests); ``finished``: requests finished in
         the previous step → tokens of theirs safe to store (the engine's
         commit point); ``reallocated_block_ids``: other blocks written this
         step (e.g. copy-on-write destinations).
         """
+        replace = set(replace_block_ids)
         for req_id, groups in new_block_ids.items():
             r = self._requests.get(req_id)
             for gi, ids in enumerate(groups):
                 if r is not None:
-                    r.block_ids[gi].extend(ids)
+                    if req_id in replace:
+                        r.block_ids[gi] = list(ids)
+                    else:
+                        r.block_ids[gi].extend(ids)
                 self.ledger.blocks_allocated(ids)
         self.ledger.blocks_allocated(reallocated_block_ids)
         for req_id in preempted:
@@ -400,6 +406,9 @@ class OffloadScheduler:
             del self._requests[req_id]
 
     # -- housekeeping ---------------------------------------------------------------------------
+    def job_request(self, job_id: int) -> ReqId:
+        return self.ledger.job(job_id).req_id
+
     def has_pending_work(self) -> bool:
         return self.ledger.num_jobs > 0 or self.store.has_pending_work()
 

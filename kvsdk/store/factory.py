@@ -13,7 +13,9 @@ from kvsdk.metrics import Metrics, start_prometheus_exporter
 from kvsdk.store.tiered import TieredStore
 
 
-def build_tiers(config: KVSDKConfig, namespace: Namespace, chunk_bytes: int) -> list[Backend]:
+def build_tiers(
+    config: KVSDKConfig, namespace: Namespace, chunk_bytes: int, *, slab_name: str | None = None
+) -> list[Backend]:
     backends = plugins_manager.backends()
     policy = plugins_manager.eviction_policies()[config.eviction]
     tiers: list[Backend] = []
@@ -25,6 +27,7 @@ def build_tiers(config: KVSDKConfig, namespace: Namespace, chunk_bytes: int) -> 
                 chunk_bytes=chunk_bytes,
                 tier_index=i,
                 policy_factory=partial(policy),
+                extra={"slab_name": slab_name} if slab_name else {},
             )
             try:
                 tiers.append(backends[tier.backend](tier.options, ctx))
@@ -43,8 +46,11 @@ def build_store(
     chunk_bytes: int,
     *,
     metrics: Metrics | None = None,
+    slab_name: str | None = None,
 ) -> TieredStore:
-    host, *lower = build_tiers(config, namespace, chunk_bytes)
+    """``slab_name`` shares the host tier's slab with an engine's worker side
+    (see :mod:`kvsdk.slab`)."""
+    host, *lower = build_tiers(config, namespace, chunk_bytes, slab_name=slab_name)
     assert isinstance(host, HostTier)
     metrics = metrics or Metrics()
     if config.metrics.prometheus_port is not None:
@@ -58,3 +64,12 @@ def build_store(
         min_lookups=config.admission.min_lookups,
         io_threads=config.io_threads,
     )
+
+
+def host_slab_geometry(config: KVSDKConfig, chunk_bytes: int) -> tuple[int, int]:
+    """``(num_slots, slot_bytes)`` of the host tier's slab for this config, so
+    an engine's worker side can attach to the slab its scheduler side builds."""
+    capacity = getattr(config.tiers[0].options, "capacity", None)
+    if not isinstance(capacity, int):
+        raise ConfigError(f"tiers[0] ({config.tiers[0].backend}): has no byte capacity")
+    return capacity // chunk_bytes, chunk_bytes

@@ -1,0 +1,478 @@
+"""``KVSDKConnector``: kvsdk as a vLLM KV connector (``KVConnectorBase_V1`` + ``SupportsHMA``).
+
+Scheduler side: vLLM's requests, blocks and step outputs → kvsdk's
+:class:`~kvsdk.scheduler.OffloadScheduler`. Worker side: vLLM's paged KV
+tensors ↔ the host tier's slab through a kvsdk transfer worker. Loads are
+asynchronous (the request waits in ``WAITING_FOR_REMOTE_KVS`` until its load
+lands); stores are submitted after the forward pass; blocks about to be
+reused are flushed first (``handle_preemptions``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from kvsdk.plugins.vllm.layout import EngineLayout, engine_layout
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvsdk import plugins_manager
+from kvsdk.events import EventKind
+from kvsdk.scheduler import OffloadScheduler, WorkerResult
+from kvsdk.slab import host_slab
+from kvsdk.store.factory import build_store, host_slab_geometry
+from kvsdk.transfer import Direction, GroupLayers, TransferJob, TransferWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvsdk.vllm")
+
+
+@dataclass
+class KVSDKConnectorMetadata(KVConnectorMetadata):
+    loads: dict[int, tuple[str, TransferJob]] = field(default_factory=dict)
+    """job id → (request id, job)"""
+    stores: list[TransferJob] = field(default_factory=list)
+    flush: frozenset[int] = frozenset()
+
+
+@dataclass
+class KVSDKWorkerMetadata(KVConnectorWorkerMetadata):
+    completed: dict[int, int] = field(default_factory=dict)
+    failed: dict[int, int] = field(default_factory=dict)
+    load_bytes: int = 0
+    store_bytes: int = 0
+    load_seconds: float = 0.0
+    store_seconds: float = 0.0
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVSDKWorkerMetadata)
+        out = KVSDKWorkerMetadata(dict(self.completed), dict(self.failed))
+        for src, dst in ((other.completed, out.completed), (other.failed, out.failed)):
+            for j, n in src.items():
+                dst[j] = dst.get(j, 0) + n
+        out.load_bytes = self.load_bytes + other.load_bytes
+        out.store_bytes = self.store_bytes + other.store_bytes
+        out.load_seconds = self.load_seconds + other.load_seconds
+        out.store_seconds = self.store_seconds + other.store_seconds
+        return out
+
+
+@dataclass
+class KVSDKConnectorStats(KVConnectorStats):
+    """Counter deltas since the last report (summed when aggregated)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class KVSDKConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.layout: EngineLayout = engine_layout(vllm_config, kv_cache_config)
+        self._sched: _SchedulerSide | None = None
+        self._worker: _WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = _SchedulerSide(self.layout, vllm_config)
+        else:
+            self._worker = _WorkerSide(self.layout)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is a future miss
+
+    # -- scheduler side ----------------------------------------------------------------
+    @property
+    def sched(self) -> _SchedulerSide:
+        assert self._sched is not None
+        return self._sched
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.sched.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.sched.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self.sched.request_finished(request)
+        return False, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self.sched.request_finished(request)
+        return False, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self.sched.take_events()
+
+    def has_pending_push_work(self) -> bool:
+        return self.sched.core.has_pending_work()
+
+    def reset_cache(self) -> bool | None:
+        self.sched.reset()
+        return True
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._sched is None:
+            return None
+        return self._sched.stats()
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KVSDKConnectorStats(data=dict(data or {}))
+
+    # -- worker side ----------------------------------------------------------------------
+    @property
+    def worker(self) -> _WorkerSide:
+        assert self._worker is not None
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KVSDKConnectorMetadata)
+        self.worker.flush(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVSDKConnectorMetadata)
+        self.worker.start_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVSDKConnectorMetadata)
+        self.worker.submit_stores(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self.worker.poll()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker.take_meta()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._sched is not None:
+            self._sched.shutdown()
+
+
+class _SchedulerSide:
+    def __init__(self, layout: EngineLayout, vllm_config: Any) -> None:
+        self.layout = layout
+        self.store = build_store(
+            layout.config, layout.namespace, layout.chunk_bytes, slab_name=layout.slab_name
+        )
+        self.core = OffloadScheduler(
+            layout.groups,
+            layout.namespace,
+            self.store,
+            tokens_per_hash=layout.tokens_per_hash,
+            max_load_tokens=layout.config.max_load_tokens,
+            num_workers=max(1, vllm_config.parallel_config.world_size),
+        )
+        self.requests: dict[str, Request] = {}
+        self._reported: dict[str, float] = {}
+        log.info(
+            "kvsdk: %d KV group(s), chunk %d tokens / %d B, host tier %s slots",
+            len(layout.groups),
+            layout.config.chunk_tokens,
+            layout.chunk_bytes,
+            self.store.host.num_slots,
+        )
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        rid = request.request_id
+        if not self.core.has_request(rid):
+            self.core.add_request(
+                rid, num_prompt_tokens=request.num_prompt_tokens, block_hashes=request.block_hashes
+            )
+        self.requests[rid] = request
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False
+        hit = self.core.lookup(rid, num_computed_tokens, num_tokens=request.num_tokens)
+        return hit, bool(hit)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.core.allocated(request.request_id, blocks.get_block_ids(), num_external_tokens)
+
+    def build_connector_meta(self, so: SchedulerOutput) -> KVSDKConnectorMetadata:
+        new_blocks: dict[str, list[list[int]]] = {}
+        computed: dict[str, int] = {}
+        resumed = set()
+        for data in so.scheduled_new_reqs:
+            new_blocks[data.req_id] = [list(ids) for ids in data.block_ids]
+            resumed.add(data.req_id)  # its full block list: replace
+        cached = so.scheduled_cached_reqs
+        for rid, ids, is_resumed in zip(
+            cached.req_ids,
+            cached.new_block_ids,
+            (r in cached.resumed_req_ids for r in cached.req_ids),
+        ):
+            if ids is not None:
+                new_blocks[rid] = [list(g) for g in ids]
+            if is_resumed:
+                resumed.add(rid)
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is not None:
+                computed[rid] = min(req.num_computed_tokens + n, req.num_tokens)
+        finished: dict[str, int] = {}
+        for rid in so.finished_req_ids or ():
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            if req.status.name == "FINISHED_ABORTED":
+                finished[rid] = req.num_computed_tokens
+            else:  # the last sampled token's KV was never computed
+                finished[rid] = max(req.num_prompt_tokens, req.num_tokens - 1)
+        copies = [c.dst_block_id for c in (so.kv_cache_block_copies or ())]
+        jobs = self.core.build_step(
+            computed_after_step=computed,
+            new_block_ids=new_blocks,
+            replace_block_ids=resumed,
+            preempted=so.preempted_req_ids or (),
+            finished=finished,
+            reallocated_block_ids=copies,
+        )
+        loads = {j.job_id: (self.core.job_request(j.job_id), j) for j in jobs.loads}
+        return KVSDKConnectorMetadata(loads=loads, stores=list(jobs.stores), flush=jobs.flush)
+
+    def update_connector_output(self, out: KVConnectorOutput) -> None:
+        meta = out.kv_connector_worker_meta
+        if not isinstance(meta, KVSDKWorkerMetadata):
+            return
+        results = [WorkerResult(j, True, n) for j, n in meta.completed.items()]
+        results += [WorkerResult(j, False, n) for j, n in meta.failed.items()]
+        self.core.worker_results(results)
+        m = self.store.metrics
+        for direction, nbytes, secs in (
+            ("load", meta.load_bytes, meta.load_seconds),
+            ("store", meta.store_bytes, meta.store_seconds),
+        ):
+            if nbytes:
+                m.observe("kvsdk_transfer_seconds", secs, direction=direction)
+                m.observe("kvsdk_transfer_bytes", nbytes, direction=direction)
+        if meta.load_bytes:
+            m.inc("kvsdk_loaded_bytes_total", meta.load_bytes, tier=0)
+
+    def request_finished(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.core.request_finished(request.request_id)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        for ev in self.core.take_events():
+            medium = ev.medium.value.upper()
+            if ev.kind is EventKind.CLEARED:
+                yield AllBlocksCleared()
+                continue
+            hashes = [
+                info[2] if info else key
+                for key, info in zip(ev.keys, ev.info or [None] * len(ev.keys), strict=True)
+            ]
+            groups = {info[0] for info in ev.info if info} if ev.info else set()
+            group = groups.pop() if len(groups) == 1 else None
+            if ev.kind is EventKind.STORED:
+                yield BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=self.layout.config.chunk_tokens,
+                    lora_id=None,
+                    medium=medium,
+                    lora_name=None,
+                    group_idx=group,
+                )
+            else:
+                yield BlockRemoved(block_hashes=hashes, medium=medium)
+
+    def stats(self) -> KVSDKConnectorStats | None:
+        self.store.flush_metrics()
+        now = {k: v for k, v in self.store.metrics.snapshot()["counters"].items()}
+        delta = {
+            k: v - self._reported.get(k, 0.0)
+            for k, v in now.items()
+            if v != self._reported.get(k, 0.0)
+        }
+        self._reported = now
+        return KVSDKConnectorStats(data=delta) if delta else None
+
+    def reset(self) -> None:
+        self.core.reset()
+
+    def shutdown(self) -> None:
+        self.store.shutdown()
+
+
+class _WorkerSide:
+    def __init__(self, layout: EngineLayout) -> None:
+        self.layout = layout
+        name = layout.config.transfer
+        workers = plugins_manager.transfer_workers()
+        if name == "auto":
+            name = "cpu"  # resolved again at registration, from the tensors' device
+        self._name = name
+        self._workers = workers
+        self.xfer: TransferWorker | None = None
+        self._load_req: dict[int, str] = {}
+        self._load_blocks: dict[int, set[int]] = {}
+        self._unsubmitted: list[TransferJob] = []
+        self._submitted: set[int] = set()
+        self._meta = KVSDKWorkerMetadata()
+        self._load_errors: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        first = next(iter(kv_caches.values()))
+        name = self._name
+        if self.layout.config.transfer == "auto":
+            name = "cuda" if first.is_cuda and "cuda" in self._workers else "cpu"
+        self.xfer = self._workers[name]()
+        groups = [
+            GroupLayers(g.index, tuple(kv_caches[n] for n in layers), g.blocks_per_chunk)
+            for g, layers in zip(self.layout.groups, self.layout.group_layers, strict=True)
+        ]
+        n_slots, slot_bytes = host_slab_geometry(self.layout.config, self.layout.chunk_bytes)
+        slab = host_slab(self.layout.slab_name, n_slots, slot_bytes)
+        self.xfer.register(groups, slab)
+        log.info(
+            "kvsdk worker: %s transfer worker, %d layers, block %d B",
+            name,
+            sum(len(g.layers) for g in groups),
+            groups[0].block_bytes,
+        )
+
+    def _submit(self, job: TransferJob) -> None:
+        assert self.xfer is not None
+        if job.job_id in self._submitted:
+            return
+        self._submitted.add(job.job_id)
+        self.xfer.submit(job)
+
+    def flush(self, meta: KVSDKConnectorMetadata) -> None:
+        """Before the forward pass: stores reading blocks about to be reused go first."""
+        assert self.xfer is not None
+        for job in self._unsubmitted:
+            self._submit(job)
+        self._unsubmitted.clear()
+        for job in meta.stores:
+            if job.job_id in meta.flush:
+                self._submit(job)
+        if meta.flush:
+            self.xfer.wait(meta.flush)
+
+    def start_loads(self, meta: KVSDKConnectorMetadata) -> None:
+        for job in self._unsubmitted:
+            self._submit(job)
+        self._unsubmitted.clear()
+        for job_id, (req_id, job) in meta.loads.items():
+            self._load_req[job_id] = req_id
+            self._load_blocks[job_id] = {int(b) for c in job.copies for b in c.engine_blocks}
+            self._submit(job)
+
+    def submit_stores(self, meta: KVSDKConnectorMetadata) -> None:
+        # after the forward pass: the blocks hold this step's KV now
+        for job in meta.stores:
+            if job.job_id not in self._submitted:
+                self._submit(job)
+
+    def poll(self) -> set[str]:
+        assert self.xfer is not None
+        done: set[str] = set()
+        for r in self.xfer.poll():
+            self._submitted.discard(r.job_id)
+            target = self._meta.completed if r.ok else self._meta.failed
+            target[r.job_id] = target.get(r.job_id, 0) + 1
+            if r.direction is Direction.LOAD:
+                self._meta.load_bytes += r.num_bytes
+                self._meta.load_seconds += r.seconds
+                blocks = self._load_blocks.pop(r.job_id, set())
+                if not r.ok:
+                    log.warning(
+                        "kvsdk load job %d failed (%s): %d blocks recomputed",
+                        r.job_id,
+                        r.error,
+                        len(blocks),
+                    )
+                    self._load_errors |= blocks
+                req = self._load_req.pop(r.job_id, None)
+                if req is not None:
+                    done.add(req)
+            else:
+                self._meta.store_bytes += r.num_bytes
+                self._meta.store_seconds += r.seconds
+        return done
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_meta(self) -> KVSDKWorkerMetadata | None:
+        if not (self._meta.completed or self._meta.failed):
+            return None
+        meta, self._meta = self._meta, KVSDKWorkerMetadata()
+        return meta
+
+    def shutdown(self) -> None:
+        if self.xfer is not None:
+            self.xfer.shutdown()

@@ -1,0 +1,137 @@
+"""What kvsdk needs to know about a vLLM engine: its KV groups, their bytes,
+the namespace its chunks live in, and the config it was given."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvsdk.config import ConfigError, KVSDKConfig, load_config
+from kvsdk.keys import GroupLayout, Namespace
+from kvsdk.types import GroupKind, KVGroupSpec
+
+log = logging.getLogger("kvsdk.vllm")
+_logged_sources: set[str] = set()
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    config: KVSDKConfig
+    groups: tuple[KVGroupSpec, ...]
+    group_layers: tuple[tuple[str, ...], ...]
+    """Per kvsdk group, the vLLM layer names in it."""
+    namespace: Namespace
+    chunk_bytes: int
+    tokens_per_hash: int
+    slab_name: str
+
+
+def load_engine_config(extra: dict[str, Any]) -> KVSDKConfig:
+    """``kv_connector_extra_config["config"]``: a YAML path, a YAML string or a mapping."""
+    source = extra.get("config")
+    unknown = set(extra) - {"config"}
+    if unknown:
+        raise ConfigError(
+            f"kv_connector_extra_config: unknown key(s) {sorted(unknown)}; expected only 'config' "
+            "(a kvsdk YAML path or an inline mapping)"
+        )
+    if source is None:
+        where = "built-in defaults (no kv_connector_extra_config.config)"
+    elif isinstance(source, dict):
+        where = "inline mapping in kv_connector_extra_config.config"
+    else:
+        where = f"file {source}"
+    cfg = load_config(source)
+    if where not in _logged_sources:
+        _logged_sources.add(where)
+        log.info(
+            "kvsdk config from %s: tiers=%s chunk_tokens=%d",
+            where,
+            [t.backend for t in cfg.tiers],
+            cfg.chunk_tokens,
+        )
+    return cfg
+
+
+def _weights_fingerprint(model: str) -> str:
+    """Cheap identity of local weights: names, sizes and head/tail bytes of each file."""
+    root = Path(model)
+    if not root.is_dir():
+        return ""
+    h = hashlib.blake2b(digest_size=16)
+    for f in sorted(root.glob("*.safetensors")) + sorted(root.glob("*.bin")):
+        size = f.stat().st_size
+        h.update(f.name.encode() + size.to_bytes(8, "little"))
+        with f.open("rb") as fh:
+            h.update(fh.read(1 << 16))
+            if size > 1 << 17:
+                fh.seek(-(1 << 16), os.SEEK_END)
+                h.update(fh.read(1 << 16))
+    return h.hexdigest()
+
+
+def engine_layout(vllm_config: Any, kv_cache_config: Any) -> EngineLayout:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    kv_cfg = vllm_config.kv_transfer_config
+    cfg = load_engine_config(dict(kv_cfg.kv_connector_extra_config or {}))
+    groups: list[KVGroupSpec] = []
+    layers: list[tuple[str, ...]] = []
+    layouts: list[GroupLayout] = []
+    chunk_bytes = 0
+    for gi, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        bs = spec.block_size
+        if cfg.chunk_tokens % bs:
+            raise ConfigError(
+                f"chunk_tokens: got {cfg.chunk_tokens}; expected a multiple of the engine's "
+                f"block size {bs} (KV group {gi})"
+            )
+        bpc = cfg.chunk_tokens // bs
+        if isinstance(spec, SlidingWindowSpec):
+            kind, window = GroupKind.SLIDING_WINDOW, spec.sliding_window
+        elif isinstance(spec, MambaSpec):
+            kind, window = GroupKind.MAMBA, None
+        elif isinstance(spec, FullAttentionSpec) and getattr(spec, "sliding_window", None) is None:
+            kind, window = GroupKind.FULL_ATTENTION, None
+        else:
+            raise ConfigError(
+                f"KV group {gi}: {type(spec).__name__} is not supported by kvsdk yet "
+                "(full attention, sliding window and Mamba are)"
+            )
+        page = int(spec.page_size_bytes)
+        groups.append(
+            KVGroupSpec(
+                gi,
+                kind,
+                bs,
+                bpc,
+                sliding_window_tokens=window,
+                bytes_per_block=page * len(group.layer_names),
+            )
+        )
+        layers.append(tuple(group.layer_names))
+        layouts.append(GroupLayout((len(group.layer_names), page), str(spec.dtype), kind.value))
+        chunk_bytes = max(chunk_bytes, page * len(group.layer_names) * bpc)
+    model_cfg = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    model_id = cfg.model_id or f"{model_cfg.model}@{_weights_fingerprint(model_cfg.model)}"
+    namespace = Namespace(
+        model=model_id,
+        dtype=str(model_cfg.dtype),
+        groups=tuple(layouts),
+        tokens_per_chunk=cfg.chunk_tokens,
+        rank=int(getattr(parallel, "rank", 0)),
+        world_size=int(parallel.tensor_parallel_size * parallel.pipeline_parallel_size),
+        tenant_salt=cfg.tenant,
+    )
+    tokens_per_hash = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
+    engine_id = kv_cfg.engine_id or "engine"
+    slab_name = f"vllm:{os.getpid()}:{engine_id}"
+    return EngineLayout(
+        cfg, tuple(groups), tuple(layers), namespace, chunk_bytes, int(tokens_per_hash), slab_name
+    )
