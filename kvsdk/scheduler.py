@@ -42,7 +42,7 @@ class _Request:
     req_id: ReqId
     num_prompt_tokens: int
     num_tokens: int
-    hashes: list[bytes]
+    hashes: Sequence[bytes]
     """One chain hash per ``tokens_per_hash`` tokens (the engine's list, shared)."""
     block_ids: list[list[int]]
     keys: list[list[ChunkKey]]
@@ -118,7 +118,7 @@ class OffloadScheduler:
         req_id: ReqId,
         *,
         num_prompt_tokens: int,
-        block_hashes: list[bytes] | None = None,
+        block_hashes: Sequence[bytes] | None = None,
         token_ids: Sequence[int] | None = None,
     ) -> None:
         """``block_hashes`` (the engine's, updated in place as the request

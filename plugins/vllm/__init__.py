@@ -11,6 +11,7 @@ or with ``"kv_connector_module_path":"kvsdk.plugins.vllm"``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 CONNECTOR_NAME = "KVSDKConnector"
@@ -20,12 +21,10 @@ def register() -> None:
     """vLLM general-plugin entry point: register ``KVSDKConnector`` by name."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    try:
+    with contextlib.suppress(ValueError):  # already registered in this process
         KVConnectorFactory.register_connector(
             CONNECTOR_NAME, "kvsdk.plugins.vllm.connector", "KVSDKConnector"
         )
-    except ValueError:
-        pass  # already registered in this process
 
 
 def __getattr__(name: str) -> Any:
