@@ -1,0 +1,186 @@
+"""Real ``redis-server`` processes for tests: one server, or a three-node Cluster.
+
+Every server runs on a free loopback port with persistence off
+(``--save '' --appendonly no``) in a temporary directory, and is killed at
+the end. Import the fixtures into a test module::
+
+    from redis_server import redis_cluster_fixture, redis_server_fixture  # noqa: F401
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REDIS_SERVER = shutil.which("redis-server")
+REDIS_CLI = shutil.which("redis-cli")
+needs_redis = pytest.mark.skipif(
+    REDIS_SERVER is None or REDIS_CLI is None,
+    reason="redis-server / redis-cli not installed (apt-get install redis-server)",
+)
+
+
+def free_port(also_free: int = 0) -> int:
+    """A free loopback port; with ``also_free``, one whose ``port + also_free`` is free too
+    (Cluster nodes also listen on port + 10000)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if not also_free:
+            return port
+        if port + also_free > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + also_free))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free loopback port")
+
+
+def _ping(port: int, password: str | None = None, extra: Sequence[str] = ()) -> bool:
+    assert REDIS_CLI is not None
+    args = [REDIS_CLI, "-p", str(port), *extra]
+    env = dict(os.environ, REDISCLI_AUTH=password) if password else None
+    res = subprocess.run([*args, "PING"], capture_output=True, text=True, env=env, timeout=5)
+    return res.returncode == 0 and "PONG" in res.stdout
+
+
+@dataclass
+class RedisServer:
+    """One ``redis-server``; ``stop``/``start`` keep its port, so clients can reconnect."""
+
+    workdir: Path
+    port: int = 0
+    args: list[str] = field(default_factory=list)
+    password: str | None = None
+    ping_args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        assert REDIS_SERVER is not None
+        if not self.port:
+            self.port = free_port()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        cmd = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1",
+               "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
+               "--logfile", str(self.workdir / "redis.log"), *self.args]  # fmt: skip
+        if self.password:
+            cmd += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                log = (self.workdir / "redis.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {log}")
+            if _ping(self.port, self.password, self.ping_args):
+                return self
+            time.sleep(0.02)
+        raise RuntimeError(f"redis-server on port {self.port} did not answer within {timeout}s")
+
+    def kill(self) -> None:
+        """SIGKILL: the server vanishes mid-run, as in a crash."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def pause(self) -> None:
+        """SIGSTOP: connections stay open but nothing answers (timeouts)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def cli(self, *args: str) -> str:
+        assert REDIS_CLI is not None
+        env = dict(os.environ, REDISCLI_AUTH=self.password) if self.password else None
+        res = subprocess.run([REDIS_CLI, "-p", str(self.port), *self.ping_args, *args],
+                             capture_output=True, text=True, env=env, timeout=10, check=True)  # fmt: skip
+        return res.stdout.strip()
+
+
+@dataclass
+class RedisClusterNodes:
+    nodes: list[RedisServer]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def node_for_port(self, port: int) -> RedisServer:
+        (node,) = [n for n in self.nodes if n.port == port]
+        return node
+
+
+def start_cluster(workdir: Path, n: int = 3) -> RedisClusterNodes:
+    """``n`` cluster-enabled servers joined with ``redis-cli --cluster create``.
+
+    ``cluster-require-full-coverage no``: when a node dies the others keep
+    serving their own slots (a cache wants exactly that)."""
+    assert REDIS_CLI is not None
+    nodes: list[RedisServer] = []
+    try:
+        for i in range(n):
+            port = free_port(also_free=10000)
+            args = ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+                    "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no"]  # fmt: skip
+            nodes.append(RedisServer(workdir / f"node{i}", port, args).start())
+        subprocess.run(
+            [REDIS_CLI, "--cluster", "create", *[f"127.0.0.1:{s.port}" for s in nodes],
+             "--cluster-replicas", "0", "--cluster-yes"],
+            capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if all("cluster_state:ok" in s.cli("CLUSTER", "INFO") for s in nodes):
+                return RedisClusterNodes(nodes)
+            time.sleep(0.1)
+        raise RuntimeError("cluster did not reach cluster_state:ok")
+    except BaseException:
+        for s in nodes:
+            s.kill()
+        raise
+
+
+@pytest.fixture(name="redis_server")
+def redis_server_fixture() -> Iterator[RedisServer]:
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server not installed (apt-get install redis-server)")
+    with tempfile.TemporaryDirectory(prefix="kvsdk-redis-") as tmp:
+        server = RedisServer(Path(tmp)).start()
+        try:
+            yield server
+        finally:
+            server.kill()
+
+
+@pytest.fixture(scope="module", name="redis_cluster")
+def redis_cluster_fixture() -> Iterator[RedisClusterNodes]:
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("redis-server / redis-cli not installed (apt-get install redis-server)")
+    with tempfile.TemporaryDirectory(prefix="kvsdk-redis-cluster-") as tmp:
+        cluster = start_cluster(Path(tmp))
+        try:
+            yield cluster
+        finally:
+            for node in cluster.nodes:
+                node.kill()
