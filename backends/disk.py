@@ -47,11 +47,13 @@ from typing import Any, TypeVar
 from kvsdk.backend import Backend, Buffer, TierContext
 from kvsdk.chunk_format import (
     FP_BYTES,
+    HEADER_SIZE,
     CorruptChunk,
     UnverifiableChunk,
     as_payload,
     decode_chunk,
     encode_header,
+    verify_chunk,
 )
 from kvsdk.config import BYTES
 from kvsdk.eviction import EvictionPolicy, LRUPolicy
@@ -285,9 +287,17 @@ class DiskBackend(Backend):
         return out
 
     def get(self, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
-        return self._map(self._get_one, keys)
+        return self._map(self._load, [(k, None) for k in keys])
 
-    def _get_one(self, key: ChunkKey) -> Buffer | None:
+    def get_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[bool]:
+        """Like :meth:`get`, but each payload is read straight into ``outs[i]``
+        (a writable buffer it must fill exactly, e.g. a host-tier slot): no
+        allocation, no copy. Where the answer is False the destination's
+        contents are undefined; an entry of another size is a miss."""
+        return [v is not None for v in self._map(self._load, list(zip(keys, outs)))]
+
+    def _load(self, item: tuple[ChunkKey, memoryview | None]) -> memoryview | None:
+        key, out = item
         path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -300,7 +310,14 @@ class DiskBackend(Backend):
             self._count("misses")
             return None
         try:
-            buf = _read_whole(fd)
+            size = os.fstat(fd).st_size
+            if out is not None and size == HEADER_SIZE + out.nbytes:
+                header = bytearray(HEADER_SIZE)
+                _readv_all(fd, [memoryview(header), out])
+                direct = True
+            else:
+                whole = _read_whole(fd, size)
+                direct = False
             with contextlib.suppress(OSError):  # read-only mount: fine
                 os.utime(fd)  # LRU order that survives restarts
         except OSError as exc:
@@ -310,7 +327,12 @@ class DiskBackend(Backend):
         finally:
             os.close(fd)
         try:
-            payload = decode_chunk(buf, namespace_fp=self._ns, key=key)
+            if direct:
+                assert out is not None
+                verify_chunk(header, out, namespace_fp=self._ns, key=key)
+                payload = out
+            else:
+                payload = decode_chunk(whole, namespace_fp=self._ns, key=key)
         except UnverifiableChunk as exc:
             self._count("unverifiable", "misses")
             self._burst.warning("unverifiable", "disk tier: %s: %s", path, exc.reason)
@@ -325,11 +347,12 @@ class DiskBackend(Backend):
                 self._policy.touch(key)
                 victims = []
             else:  # stored by another process
-                self._add_locked(key, len(buf))
+                self._add_locked(key, size)
                 victims = self._victims_locked(0)
-            self._counters["hits"] += 1
+            fits = out is None or direct
+            self._counters["hits" if fits else "misses"] += 1
         self._unlink_all(victims)
-        return payload
+        return payload if fits else None
 
     def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
         return self._map(self._put_one, items)
@@ -481,11 +504,10 @@ class DiskBackend(Backend):
         return f"DiskBackend({self._root!r}, capacity={self.options.capacity})"
 
 
-def _read_whole(fd: int) -> bytes:
-    """The whole file, sized from the file (never from its contents). ``os.read``
-    into a fresh ``bytes`` lets the kernel fault the pages in: a zero-filled
-    ``bytearray`` measured ~10x slower for 2 MiB chunks."""
-    size = os.fstat(fd).st_size
+def _read_whole(fd: int, size: int) -> bytes:
+    """The whole file of ``size`` bytes (from ``fstat``, never from its contents).
+    ``os.read`` into a fresh ``bytes`` lets the kernel fault the pages in: a
+    zero-filled ``bytearray`` measured ~10x slower for 2 MiB chunks."""
     data = os.read(fd, size)
     if len(data) < size:  # > 2 GiB, or shrank under us (the frame check reports it)
         parts = [data]
@@ -498,6 +520,21 @@ def _read_whole(fd: int) -> bytes:
             got += len(more)
         data = b"".join(parts)
     return data
+
+
+def _readv_all(fd: int, parts: list[memoryview]) -> None:
+    """Fill ``parts`` from ``fd``; a short file leaves the rest unfilled (the
+    frame check then fails on the checksum)."""
+    parts = [p for p in parts if p.nbytes]
+    while parts:
+        n = os.readv(fd, parts)
+        if n == 0:
+            return
+        while parts and n >= parts[0].nbytes:
+            n -= parts[0].nbytes
+            parts.pop(0)
+        if parts and n:
+            parts[0] = parts[0][n:]
 
 
 def _write_all(fd: int, header: bytes, payload: memoryview) -> None:

@@ -199,9 +199,11 @@ def _view(buf: Any) -> memoryview:
         raise CorruptChunk(f"unreadable buffer ({exc})") from None
 
 
-def parse_header(buf: Any) -> ChunkHeader:
-    """The header of a frame, checked for structure and against the buffer's
-    actual length (not against a namespace or key, not the checksum)."""
+def parse_header(buf: Any, payload_nbytes: int | None = None) -> ChunkHeader:
+    """The header of a frame, checked for structure and against the payload
+    bytes actually present (not against a namespace or key, not the checksum):
+    those after the header in ``buf``, or ``payload_nbytes`` when the payload
+    lies in a buffer of its own."""
     mv = _view(buf)
     if len(mv) < HEADER_SIZE:
         raise CorruptChunk(
@@ -220,7 +222,7 @@ def parse_header(buf: Any) -> ChunkHeader:
         itemsize = dtype_itemsize(dtype)
     except (UnicodeDecodeError, ValueError):
         raise CorruptChunk(f"bad dtype code {raw_dtype!r}") from None
-    actual = len(mv) - HEADER_SIZE
+    actual = len(mv) - HEADER_SIZE if payload_nbytes is None else payload_nbytes
     if length > actual:
         raise CorruptChunk(f"truncated: header says {length} payload bytes, {actual} present")
     if length < actual:
@@ -234,19 +236,38 @@ def parse_header(buf: Any) -> ChunkHeader:
     return ChunkHeader(version, algorithm, dtype, shape, ns, key, length, checksum)
 
 
-def decode_chunk(buf: Any, *, namespace_fp: bytes, key: bytes) -> memoryview:
-    """The payload of a frame (a zero-copy view into ``buf``) after checking
-    every header field and the checksum; :class:`CorruptChunk` otherwise."""
-    header = parse_header(buf)
+def _check(
+    header: ChunkHeader,
+    header_buf: memoryview,
+    payload: memoryview,
+    namespace_fp: bytes,
+    key: bytes,
+) -> None:
     if header.namespace_fp != namespace_fp:
         raise CorruptChunk("foreign namespace")
     if header.key != key:
         raise CorruptChunk("key mismatch")
-    mv = _view(buf)
     h = _hasher(header.checksum_algorithm)
-    h.update(mv[:_CHECKED_PREFIX])
-    payload = mv[HEADER_SIZE:]
+    h.update(header_buf[:_CHECKED_PREFIX])
     h.update(payload)
     if h.digest() != header.checksum:
         raise CorruptChunk("checksum mismatch")
+
+
+def decode_chunk(buf: Any, *, namespace_fp: bytes, key: bytes) -> memoryview:
+    """The payload of a frame (a zero-copy view into ``buf``) after checking
+    every header field and the checksum; :class:`CorruptChunk` otherwise."""
+    mv = _view(buf)
+    header = parse_header(mv)
+    payload = mv[HEADER_SIZE:]
+    _check(header, mv, payload, namespace_fp, key)
     return payload
+
+
+def verify_chunk(header_buf: Any, payload: Any, *, namespace_fp: bytes, key: bytes) -> ChunkHeader:
+    """Check a frame whose header and payload were read into separate buffers
+    (e.g. the payload straight into its destination); :class:`CorruptChunk` otherwise."""
+    head, body = _view(header_buf), _view(payload)
+    header = parse_header(head[:HEADER_SIZE], len(body))
+    _check(header, head, body, namespace_fp, key)
+    return header

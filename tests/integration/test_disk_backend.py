@@ -134,6 +134,28 @@ def test_put_of_a_present_key_is_not_rewritten(backend: DiskBackend, tmp_path: P
     assert f.stat().st_ino == inode and backend.stats()["put_skipped_present"] == 1
 
 
+def test_get_into_reads_straight_into_destination_slots(backend: DiskBackend) -> None:
+    backend.put([(key(i), payload(i)) for i in range(3)])
+    backend.put([(key(9), payload(9, 100))])  # another size: cannot fill a slot
+    slab = np.zeros((5, CHUNK), dtype=np.uint8)
+    ok = backend.get_into([key(0), key(1), key(2), key(7), key(9)], [memoryview(r) for r in slab])
+    assert ok == [True, True, True, False, False]
+    assert [slab[i].tobytes() for i in range(3)] == [payload(i) for i in range(3)]
+    assert backend.exists([key(9)]) == [True], "a valid entry of another size is kept"
+
+
+def test_get_into_a_corrupt_entry_is_false_and_deleted(tmp_path: Path) -> None:
+    b = disk(tmp_path)
+    b.put([(key(1), payload(1))])
+    f = entry_file(tmp_path, key(1))
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(data)
+    slot = np.zeros(CHUNK, dtype=np.uint8)
+    assert b.get_into([key(1)], [memoryview(slot)]) == [False]
+    assert not f.exists() and b.stats()["corrupt"] == 1
+
+
 # -- capacity and restart ---------------------------------------------------------------------
 
 
