@@ -138,7 +138,7 @@ def test_get_into_reads_straight_into_destination_slots(backend: DiskBackend) ->
     backend.put([(key(i), payload(i)) for i in range(3)])
     backend.put([(key(9), payload(9, 100))])  # another size: cannot fill a slot
     slab = np.zeros((5, CHUNK), dtype=np.uint8)
-    ok = backend.get_into([key(0), key(1), key(2), key(7), key(9)], [memoryview(r) for r in slab])
+    ok = backend.get_into([key(0), key(1), key(2), key(7), key(9)], [r.data for r in slab])
     assert ok == [True, True, True, False, False]
     assert [slab[i].tobytes() for i in range(3)] == [payload(i) for i in range(3)]
     assert backend.exists([key(9)]) == [True], "a valid entry of another size is kept"
@@ -152,7 +152,7 @@ def test_get_into_a_corrupt_entry_is_false_and_deleted(tmp_path: Path) -> None:
     data[-1] ^= 0xFF
     f.write_bytes(data)
     slot = np.zeros(CHUNK, dtype=np.uint8)
-    assert b.get_into([key(1)], [memoryview(slot)]) == [False]
+    assert b.get_into([key(1)], [slot.data]) == [False]
     assert not f.exists() and b.stats()["corrupt"] == 1
 
 
