@@ -14,7 +14,8 @@ Contract with the tiered store (bytes in, bytes out; framing is ours):
   counted in ``stats()``, never an exception.
 - ``get(keys)`` returns the verified payload (a ``memoryview``, flat bytes) or
   ``None``. A frame that fails verification is a miss: counted, and the file
-  deleted.
+  deleted. ``get_into(keys, slots)`` does the same straight into caller
+  buffers (no allocation, no copy): the fast way to promote into a host tier.
 - ``exists`` / ``get`` look at the file system, not only at the index, so
   entries written by another process sharing the directory are found, and
   entries it evicted are misses.
@@ -25,8 +26,8 @@ survives restarts. Capacity is enforced over the entries this instance knows
 of (its scan, its writes, the other processes' entries it has seen).
 
 Thread-safe: the tiered store calls it from several I/O threads. Index and
-policy updates happen under one lock; file I/O happens outside it, spread over
-a small internal thread pool for batches.
+policy updates happen under one lock; file I/O happens outside it (optionally
+spread over ``io_threads`` per batch; off by default, as it measured slower).
 """
 
 from __future__ import annotations
