@@ -19,6 +19,7 @@ from kvsdk.backend import Buffer, HostTier, TierContext
 from kvsdk.config import BYTES
 from kvsdk.eviction import EvictionPolicy, LRUPolicy
 from kvsdk.hooks import hookimpl
+from kvsdk.slab import host_slab, release_slab
 from kvsdk.types import ChunkKey, Locality, Medium
 
 _READY, _WRITING = 1, 2
@@ -51,7 +52,11 @@ class CPUBackend(HostTier):
         pin = options.pin_memory == "always" or (
             options.pin_memory == "auto" and torch.cuda.is_available()
         )
-        self._slab = torch.empty((n, self.slot_bytes), dtype=torch.uint8, pin_memory=pin)
+        self._slab_name: str | None = context.extra.get("slab_name")
+        if self._slab_name:  # shared with the engine's worker side
+            self._slab = host_slab(self._slab_name, n, self.slot_bytes, pin=pin)
+        else:
+            self._slab = torch.empty((n, self.slot_bytes), dtype=torch.uint8, pin_memory=pin)
         self._np = self._slab.numpy()
         self._free: list[int] = list(range(n - 1, -1, -1))
         self._slot: dict[ChunkKey, int] = {}
@@ -184,6 +189,10 @@ class CPUBackend(HostTier):
 
     def iter_keys(self) -> Iterator[ChunkKey]:
         return (k for k, s in list(self._state.items()) if s == _READY)
+
+    def close(self) -> None:
+        if self._slab_name:
+            release_slab(self._slab_name)
 
     def stats(self) -> dict[str, float]:
         return {

@@ -15,8 +15,12 @@ threads, never from the scheduler thread. A backend signals failure by
 raising :class:`BackendError` (or any ``OSError``); the store turns that
 into misses and counts it.
 
-Values passed to ``put`` and returned by ``get`` are *framed* chunks (see
-``kvsdk.chunk_format`` once present): the backend stores opaque bytes.
+Values passed to ``put`` and returned by ``get`` are raw chunk payloads.
+A backend that keeps bytes outside this process frames them on ``put``
+(``kvsdk.chunk_format``: magic, version, namespace, key, shape, checksum)
+and verifies the frame on ``get``: a corrupt, foreign or truncated entry is
+returned as ``None`` (a miss), counted and deleted. Optionally,
+``get_into(keys, buffers)`` reads payloads straight into caller buffers.
 
 The host-RAM tier additionally implements :class:`HostTier`: addressable
 fixed-size slots a transfer worker copies into directly.

@@ -50,7 +50,9 @@ class _Request:
     num_computed_local: int = 0
     deferred_since: float | None = None
     finished: bool = False
-    load_job: int | None = None
+    """Its final stores were built (``build_step`` saw it in ``finished``)."""
+    engine_finished: bool = False
+    """The engine reported it finished; its final stores come next step."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ class OffloadScheduler:
         self._step_loads: list[TransferJob] = []
         self._pending_loads: dict[int, _PendingLoad] = {}
         self._loading_requests: set[ReqId] = set()
+        self._awaiting_final_store: set[ReqId] = set()
 
     # -- requests ---------------------------------------------------------------------
     def add_request(
@@ -379,6 +382,8 @@ class OffloadScheduler:
                 if job.failed:
                     self.metrics.inc("kvsdk_failed_jobs_total", direction="load")
                     failed_blocks |= pending.engine_blocks
+                    # never offer chunks that just failed to load again: they are misses now
+                    self.store.discard(job.keys)
             r = self._requests.get(job.req_id)
             if r is not None and r.finished and not self.ledger.has_jobs(job.req_id):
                 del self._requests[job.req_id]
@@ -390,6 +395,8 @@ class OffloadScheduler:
         r = self._requests.get(req_id)
         if r is None:
             return
+        r.engine_finished = True
+        self._awaiting_final_store.add(req_id)
         if r.deferred_since is not None:
             self.metrics.observe(
                 "kvsdk_lookup_delay_seconds", time.perf_counter() - r.deferred_since, kind="async"
@@ -397,6 +404,7 @@ class OffloadScheduler:
             r.deferred_since = None
 
     def _finish(self, req_id: ReqId) -> None:
+        self._awaiting_final_store.discard(req_id)
         self.ledger.forget(req_id)
         r = self._requests.get(req_id)
         if r is None:
@@ -410,13 +418,19 @@ class OffloadScheduler:
         return self.ledger.job(job_id).req_id
 
     def has_pending_work(self) -> bool:
-        return self.ledger.num_jobs > 0 or self.store.has_pending_work()
+        return (
+            self.ledger.num_jobs > 0
+            or bool(self._awaiting_final_store)
+            or self.store.has_pending_work()
+        )
 
     def reset(self) -> frozenset[int]:
         """Forget every stored chunk and in-flight job; returns ids to flush."""
         flush = self.ledger.reset()
-        for req_id in [rid for rid, r in self._requests.items() if r.finished]:
+        # finished requests store nothing more: their KV predates the reset
+        for req_id in [rid for rid, r in self._requests.items() if r.finished or r.engine_finished]:
             del self._requests[req_id]
+        self._awaiting_final_store.clear()
         for r in self._requests.values():
             r.next_store_chunk = [0] * len(self.groups)
         # loads still in flight keep their slots pinned until they complete

@@ -109,10 +109,16 @@ class TieredStore:
         if self.host.slot_of(key) is not None:
             self._hits += 1
             return LookupResult.HIT
-        if not self.lower or self.host.contains(key):
+        if not self.lower:
             self._misses += 1
             return LookupResult.MISS
         remote = self._remote.get(key)
+        if remote is not None and remote.state == _PROMOTING:
+            self._deferred += 1
+            return LookupResult.HIT_PENDING
+        if self.host.contains(key):  # a store of it is in flight: not readable yet
+            self._misses += 1
+            return LookupResult.MISS
         if remote is None or (
             remote.state == _ABSENT and time.monotonic() - remote.since > self.ABSENT_TTL_S
         ):
@@ -176,6 +182,12 @@ class TieredStore:
         if self.lower:
             self._write_through(stored)
 
+    def discard(self, keys: Sequence[ChunkKey]) -> None:
+        """Drop host entries that must not be served again (e.g. a load from them failed)."""
+        present = [k for k in keys if self.host.slot_of(k) is not None]
+        if present and self.host.delete(present):
+            self._record(EventKind.REMOVED, present, 0)
+
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         self.host.touch(keys)
 
@@ -238,12 +250,16 @@ class TieredStore:
     def _promote(self, tier_index: int, keys: list[ChunkKey], slots: list[int]) -> list[bool]:
         """I/O thread: copy keys from a slower tier into reserved host slots."""
         tier = self.tiers[tier_index]
+        slab = self.host.slab.numpy()
+        get_into = getattr(tier, "get_into", None)
         try:
+            if get_into is not None:  # straight into the slots, no intermediate copy
+                views = [memoryview(slab[s]) for s in slots]
+                return self._timed(tier_index, "get", lambda k: get_into(k, views), keys)
             values = self._timed(tier_index, "get", tier.get, keys)
         except Exception as exc:
             self._backend_failed(tier_index, exc)
             return [False] * len(keys)
-        slab = self.host.slab.numpy()
         out = []
         for value, slot in zip(values, slots):
             if value is None or len(value) != slab.shape[1]:

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from kvsdk.plugins.vllm.layout import EngineLayout, engine_layout
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -29,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvsdk import plugins_manager
 from kvsdk.events import EventKind
+from kvsdk.plugins.vllm.layout import EngineLayout, engine_layout
 from kvsdk.scheduler import OffloadScheduler, WorkerResult
 from kvsdk.slab import host_slab
 from kvsdk.store.factory import build_store, host_slab_geometry
@@ -104,6 +104,7 @@ class KVSDKConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            _recompute_failed_loads(vllm_config)
             self._sched = _SchedulerSide(self.layout, vllm_config)
         else:
             self._worker = _WorkerSide(self.layout)
@@ -212,6 +213,19 @@ class KVSDKConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.shutdown()
         if self._sched is not None:
             self._sched.shutdown()
+
+
+def _recompute_failed_loads(vllm_config: Any) -> None:
+    """A cache that fails to load is a miss: vLLM must recompute, not fail the
+    request. vLLM reads this policy right after building the connector."""
+    ktc = vllm_config.kv_transfer_config
+    if ktc.kv_load_failure_policy != "recompute":
+        log.warning(
+            "kvsdk: kv_load_failure_policy %r -> 'recompute' (a failed load from a cache "
+            "is a miss; the request is recomputed, never failed)",
+            ktc.kv_load_failure_policy,
+        )
+        ktc.kv_load_failure_policy = "recompute"
 
 
 class _SchedulerSide:

@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvsdk.backends.disk import STALE_TMP_SECONDS, DiskBackend, DiskOptions
 
 from kvsdk import plugins_manager
 from kvsdk.backend import TierContext
+from kvsdk.backends.disk import STALE_TMP_SECONDS, DiskBackend, DiskOptions
 from kvsdk.chunk_format import HEADER_SIZE, encode_chunk
 from kvsdk.config import load_config
 from kvsdk.eviction import ARCPolicy

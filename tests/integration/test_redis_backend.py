@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-from kvsdk.backends.redis import RedisBackend, RedisOptions
 from redis.cluster import RedisCluster
 from redis_server import (  # noqa: F401  (fixtures)
     RedisClusterNodes,
@@ -29,6 +28,7 @@ from redis_server import (  # noqa: F401  (fixtures)
 
 from kvsdk import plugins_manager
 from kvsdk.backend import TierContext
+from kvsdk.backends.redis import RedisBackend, RedisOptions
 from kvsdk.chunk_format import HEADER_SIZE, encode_chunk
 from kvsdk.config import load_config
 

@@ -9,10 +9,10 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from kvsdk.backends.cpu import CPUBackend, CPUOptions
 
 from kvsdk import plugins_manager
 from kvsdk.backend import HostTier, TierContext
+from kvsdk.backends.cpu import CPUBackend, CPUOptions
 from kvsdk.eviction import ARCPolicy
 from kvsdk.types import Locality, Medium
 

@@ -10,10 +10,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
-from kvsdk.backends.cpu import CPUBackend, CPUOptions
 
 from kvsdk import plugins_manager
 from kvsdk.backend import TierContext
+from kvsdk.backends.cpu import CPUBackend, CPUOptions
 from kvsdk.events import EventKind, EventTracker, KVEvent
 from kvsdk.hooks import hookimpl
 from kvsdk.metrics import SECONDS_BUCKETS, Metrics, start_prometheus_exporter

@@ -9,9 +9,9 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pytest
-from kvsdk.backends.cpu import CPUBackend, CPUOptions
 
 from kvsdk.backend import Backend, BackendError, Buffer, TierContext
+from kvsdk.backends.cpu import CPUBackend, CPUOptions
 from kvsdk.events import EventKind, KVEvent
 from kvsdk.store.tiered import TieredStore
 from kvsdk.types import ChunkKey, Locality, LookupResult, Medium
@@ -291,12 +291,6 @@ def test_chunk_in_a_slower_tier_is_promoted_into_host_ram(stores: list[TieredSto
     assert store.metrics.counter("kvsdk_lookup_deferred_total") == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="lookup() answers MISS while a chunk is being promoted: _apply_query reserves the "
-    "host slot first, and lookup() returns MISS for any key host.contains() before it "
-    "consults the PROMOTING state, so HIT_PENDING is unreachable",
-)
 def test_lookup_says_hit_pending_while_a_chunk_is_promoted(stores: list[TieredStore]) -> None:
     lower = DictBackend()
     lower.data[k(5)] = payload(5)

