@@ -61,6 +61,27 @@ def _bench_core(args: argparse.Namespace) -> int:
     return 0 if result["mismatched_blocks"] == 0 else 1
 
 
+def _demo(args: argparse.Namespace) -> int:
+    try:
+        from kvsdk.plugins.vllm.demo import format_report, run_demo
+    except ImportError as exc:
+        print(
+            f"kvsdk demo needs vLLM (pip install kvsdk[vllm]; here: scripts/setup.sh vllm): {exc}",
+            file=sys.stderr,
+        )
+        return 2
+    out = Path(args.out)
+    result = run_demo(
+        out,
+        model_dir=Path(args.model_dir),
+        doc_tokens=args.doc_tokens,
+        progress=not args.no_progress,
+    )
+    print(format_report(result))
+    print(f"\nJSON: {out}  plot: {out.with_suffix('.png')}")
+    return 0 if result["outputs_matched"] == result["requests"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvsdk", description="KV-cache offloading for LLM engines")
     sub = p.add_subparsers(dest="command", required=True)
@@ -77,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list installed plugins and the hooks they implement")
     plugins.add_argument("--json", action="store_true")
     plugins.set_defaults(func=_plugins)
+
+    demo = sub.add_parser("demo", help="real vLLM + kvsdk on a local model: TTFT cold vs warm")
+    demo.add_argument("--out", default="out/demo.json")
+    demo.add_argument("--model-dir", default="out/models/demo-llama")
+    demo.add_argument("--doc-tokens", type=int, default=2048)
+    demo.add_argument("--no-progress", action="store_true")
+    demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

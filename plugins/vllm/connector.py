@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvsdk.vllm")
 
+ACTIVE_SCHEDULER_SIDES: list[_SchedulerSide] = []
+"""Live scheduler sides in this process (for ``kvsdk demo`` and ``kvsdk inspect``)."""
+
 
 @dataclass
 class KVSDKConnectorMetadata(KVConnectorMetadata):
@@ -244,6 +247,7 @@ class _SchedulerSide:
         )
         self.requests: dict[str, Request] = {}
         self._reported: dict[str, float] = {}
+        ACTIVE_SCHEDULER_SIDES.append(self)
         log.info(
             "kvsdk: %d KV group(s), chunk %d tokens / %d B, host tier %s slots",
             len(layout.groups),
@@ -376,6 +380,8 @@ class _SchedulerSide:
         self.core.reset()
 
     def shutdown(self) -> None:
+        if self in ACTIVE_SCHEDULER_SIDES:
+            ACTIVE_SCHEDULER_SIDES.remove(self)
         self.store.shutdown()
 
 
