@@ -69,12 +69,15 @@ class Metrics:
         self._lock = threading.Lock()
         self._counters: dict[tuple[str, Labels], float] = {}
         self._hists: dict[tuple[str, Labels], Histogram] = {}
+        self.version = 0
+        """Bumped by every update: a reader can skip work when nothing changed."""
 
     def inc(self, name: str, value: float = 1.0, **labels: Any) -> None:
         assert name in COUNTERS, name
         key = (name, _labels(labels))
         with self._lock:
             self._counters[key] = self._counters.get(key, 0.0) + value
+            self.version += 1
 
     def observe(self, name: str, value: float, **labels: Any) -> None:
         key = (name, _labels(labels))
@@ -83,6 +86,7 @@ class Metrics:
             if h is None:
                 h = self._hists[key] = Histogram(HISTOGRAMS[name][1])
             h.observe(value)
+            self.version += 1
 
     def counter(self, name: str, **labels: Any) -> float:
         """One counter's value; with no labels given, the sum over all label sets."""

@@ -1,9 +1,10 @@
 """``cpu``: the transfer worker for KV tensors in host memory (vLLM-CPU, tests).
 
-Jobs run on one background thread in submission order; torch's gather and
-scatter kernels release the GIL, so the engine thread keeps going. Per job
-and layer there is one gather (``index_select``) and one scatter
-(``index_put_``), never a Python loop per block.
+Stores run on one background thread in submission order (torch's copy
+kernels release the GIL, so the engine keeps going); loads run on the
+caller's thread by default (``sync_loads``), see ``submit``. A job is one row
+gather and one row scatter for all layers when the engine's layers share a
+storage (vLLM's layout), else one per layer; never a Python loop per block.
 """
 
 from __future__ import annotations
@@ -27,23 +28,121 @@ from kvsdk.transfer import (
 )
 
 
+def _fused_rows(layers: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One ``(rows, block_bytes)`` view over *all* layers' blocks, and each
+    layer's first row, when the layers are equally strided views of one
+    storage (vLLM's layout): then a job is one gather and one scatter."""
+    first = layers[0]
+    stride = first.stride(0)
+    storage = first.untyped_storage()
+    base = first.storage_offset()
+    starts = []
+    for t in layers:
+        if (
+            t.untyped_storage().data_ptr() != storage.data_ptr()
+            or t.stride(0) != stride
+            or t.shape != first.shape
+            or (t.storage_offset() - base) % stride
+            or t.storage_offset() < base
+        ):
+            return None
+        starts.append((t.storage_offset() - base) // stride)
+    num_rows = max(starts) + first.shape[0]
+    rows = torch.empty(0, dtype=torch.uint8).set_(
+        storage, base, (num_rows, first.shape[1]), (stride, 1)
+    )
+    return rows, torch.tensor(starts, dtype=torch.int64)
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """View uint8 rows as int64 when sizes and alignment allow (8x fewer elements)."""
+    if t.shape[1] % 8 == 0 and t.stride(0) % 8 == 0 and t.storage_offset() % 8 == 0:
+        return t.view(torch.int64)
+    return t
+
+
+class _GroupPlan:
+    """How one group's engine blocks map onto rows of the slab.
+
+    When a slot is a whole number of block-sized rows, the slab is viewed as
+    rows and a copy is a row gather (``index_select``) plus a row scatter
+    (``index_copy_``): a memcpy per block. When all layers are equally
+    strided views of one storage, the layers are fused: one gather and one
+    scatter per job for all layers."""
+
+    def __init__(self, g: GroupLayers, slab: torch.Tensor) -> None:
+        bb = g.block_bytes
+        self.num_layers = len(g.layers)
+        self.blocks_per_chunk = g.blocks_per_chunk
+        self.layers = [block_bytes_view(t) for t in g.layers]
+        slot_bytes = int(slab.shape[1])
+        self.rows_per_slot = slot_bytes // bb if slot_bytes % bb == 0 else 0
+        self.slot_view = slot_views(slab, g)
+        self.slab_rows: torch.Tensor | None = None
+        self.engine_rows: torch.Tensor | None = None
+        self.layer_starts = torch.zeros(0, dtype=torch.int64)
+        fused = _fused_rows(self.layers)
+        if self.rows_per_slot and fused is not None:
+            slab_rows, engine_rows = _wide(slab.view(-1, bb)), _wide(fused[0])
+            if slab_rows.dtype == engine_rows.dtype:
+                self.slab_rows, self.engine_rows, self.layer_starts = (
+                    slab_rows,
+                    engine_rows,
+                    fused[1],
+                )
+
+    def copy(
+        self, direction: Direction, blocks: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor
+    ) -> int:
+        n = len(blocks) * self.num_layers * self.layers[0].shape[1]
+        if self.engine_rows is not None and self.slab_rows is not None:
+            layer_idx = torch.arange(self.num_layers, dtype=torch.int64)
+            engine_idx = (self.layer_starts[:, None] + blocks[None, :]).reshape(-1)
+            slab_idx = (
+                (slots * self.rows_per_slot + offsets)[None, :]
+                + (layer_idx * self.blocks_per_chunk)[:, None]
+            ).reshape(-1)
+            if direction is Direction.STORE:
+                self.slab_rows.index_copy_(
+                    0, slab_idx, self.engine_rows.index_select(0, engine_idx)
+                )
+            else:
+                self.engine_rows.index_copy_(
+                    0, engine_idx, self.slab_rows.index_select(0, slab_idx)
+                )
+            return n
+        for li, layer in enumerate(self.layers):  # general layout: per layer, advanced indexing
+            if direction is Direction.STORE:
+                self.slot_view[slots, li, offsets] = layer.index_select(0, blocks)
+            else:
+                layer[blocks] = self.slot_view[slots, li, offsets]
+        return n
+
+
 class CPUTransferWorker(TransferWorker):
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, *, sync_loads: bool = True) -> None:
+        self.sync_loads = sync_loads
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsdk-xfer")
         self._futures: dict[int, Future[TransferResult]] = {}
         self._lock = threading.Lock()
-        self._layers: dict[int, list[torch.Tensor]] = {}
-        self._slots: dict[int, torch.Tensor] = {}
+        self._plans: dict[int, _GroupPlan] = {}
 
     def register(self, groups: Sequence[GroupLayers], slab: torch.Tensor) -> None:
         for g in groups:
-            self._layers[g.group] = [block_bytes_view(t) for t in g.layers]
-            self._slots[g.group] = slot_views(slab, g)
+            self._plans[g.group] = _GroupPlan(g, slab)
 
     def submit(self, job: TransferJob) -> None:
-        fut = self._pool.submit(self._run, job)
+        fut: Future[TransferResult]
+        if self.sync_loads and job.direction is Direction.LOAD:
+            # On a CPU the copy uses the same cores as compute, and a copy thread
+            # would wait for the GIL behind the engine loop (5 ms switch interval,
+            # per torch call): a load is a few ms of memcpy, done here.
+            fut = Future()
+            fut.set_result(self._run(job))
+        else:
+            fut = self._pool.submit(self._run, job)
         with self._lock:
             self._futures[job.job_id] = fut
 
@@ -52,18 +151,13 @@ class CPUTransferWorker(TransferWorker):
         nbytes = 0
         try:
             for c in job.copies:
-                if not c.num_blocks:
-                    continue
-                blocks = torch.from_numpy(c.engine_blocks)
-                slots = torch.from_numpy(c.slots)
-                offsets = torch.from_numpy(c.offsets)
-                sv = self._slots[c.group]
-                for li, layer in enumerate(self._layers[c.group]):
-                    if job.direction is Direction.STORE:
-                        sv[slots, li, offsets] = layer.index_select(0, blocks)
-                    else:
-                        layer[blocks] = sv[slots, li, offsets]
-                    nbytes += c.num_blocks * layer.shape[1]
+                if c.num_blocks:
+                    nbytes += self._plans[c.group].copy(
+                        job.direction,
+                        torch.from_numpy(c.engine_blocks),
+                        torch.from_numpy(c.slots),
+                        torch.from_numpy(c.offsets),
+                    )
         except Exception as exc:  # reported, never raised into the engine
             return TransferResult(
                 job.job_id,

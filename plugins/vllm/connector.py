@@ -247,6 +247,7 @@ class _SchedulerSide:
         )
         self.requests: dict[str, Request] = {}
         self._reported: dict[str, float] = {}
+        self._reported_version = -1
         ACTIVE_SCHEDULER_SIDES.append(self)
         log.info(
             "kvsdk: %d KV group(s), chunk %d tokens / %d B, host tier %s slots",
@@ -367,6 +368,9 @@ class _SchedulerSide:
 
     def stats(self) -> KVSDKConnectorStats | None:
         self.store.flush_metrics()
+        if self.store.metrics.version == self._reported_version:
+            return None
+        self._reported_version = self.store.metrics.version
         now = {k: v for k, v in self.store.metrics.snapshot()["counters"].items()}
         delta = {
             k: v - self._reported.get(k, 0.0)

@@ -1,0 +1,78 @@
+"""The CPU transfer worker moves whole blocks between paged tensors and slots, exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvsdk.transfer import BlockCopies, Direction, GroupLayers, TransferJob
+from kvsdk.transfer_cpu import CPUTransferWorker
+
+
+def roundtrip(
+    block_shape: tuple[int, ...], num_layers: int, bpc: int, extra_slot_bytes: int, shared: bool
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    if shared:  # vLLM's layout: every layer a view of one storage
+        big = torch.randint(
+            0, 255, (num_layers, 64, *block_shape), dtype=torch.uint8, generator=gen
+        )
+        src = list(big.unbind(0))
+        dst = list(torch.zeros_like(big).unbind(0))
+    else:
+        src = [
+            torch.randint(0, 255, (64, *block_shape), dtype=torch.uint8, generator=gen)
+            for _ in range(num_layers)
+        ]
+        dst = [torch.zeros_like(t) for t in src]
+    g_src = GroupLayers(0, tuple(src), bpc)
+    slab = torch.zeros((32, g_src.chunk_bytes + extra_slot_bytes), dtype=torch.uint8)
+    blocks = np.array([5, 9, 1, 33, 60, 2], dtype=np.int64)[: 2 * bpc]
+    slots = np.repeat(np.array([7, 3], dtype=np.int64), bpc)
+    offsets = np.tile(np.arange(bpc, dtype=np.int64), 2)
+    copies = (BlockCopies(0, blocks, slots, offsets),)
+    w = CPUTransferWorker()
+    w.register([g_src], slab)
+    w.submit(TransferJob(1, Direction.STORE, copies))
+    w.wait([1])
+    (res,) = w.poll()
+    assert res.ok and res.num_bytes == len(blocks) * num_layers * g_src.block_bytes
+    w2 = CPUTransferWorker()
+    w2.register([GroupLayers(0, tuple(dst), bpc)], slab)
+    targets = np.array([11, 12, 13, 14, 15, 16], dtype=np.int64)[: 2 * bpc]
+    w2.submit(TransferJob(2, Direction.LOAD, (BlockCopies(0, targets, slots, offsets),)))
+    w2.wait([2])
+    assert w2.poll()[0].ok
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[torch.from_numpy(targets)], s[torch.from_numpy(blocks)])
+        assert int(d[0].sum()) == 0  # nothing else written
+    w.shutdown()
+    w2.shutdown()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize(
+    ("block_shape", "layers", "bpc", "extra"),
+    [
+        ((2, 4, 8), 3, 2, 0),  # rows of int64: the fast path
+        ((3, 4), 2, 1, 0),  # 12-byte blocks: uint8 rows
+        ((2, 4, 8), 2, 2, 40),  # slot larger than the chunk and not a multiple of a block
+    ],
+)
+def test_store_then_load_copies_exact_blocks(
+    block_shape: tuple[int, ...], layers: int, bpc: int, extra: int, shared: bool
+) -> None:
+    roundtrip(block_shape, layers, bpc, extra, shared)
+
+
+def test_a_failing_copy_is_reported_not_raised() -> None:
+    t = torch.zeros((4, 16), dtype=torch.uint8)
+    w = CPUTransferWorker()
+    w.register([GroupLayers(0, (t,), 1)], torch.zeros((2, 16), dtype=torch.uint8))
+    bad = BlockCopies(0, np.array([99]), np.array([0]), np.array([0]))  # no block 99
+    w.submit(TransferJob(3, Direction.LOAD, (bad,)))
+    w.wait([3])
+    (res,) = w.poll()
+    assert not res.ok and res.error
+    w.shutdown()
