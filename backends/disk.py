@@ -46,6 +46,7 @@ from itertools import count
 from typing import Any, TypeVar
 
 from kvsdk.backend import Backend, Buffer, TierContext
+from kvsdk.burst_log import BurstLog
 from kvsdk.chunk_format import (
     FP_BYTES,
     HEADER_SIZE,
@@ -97,26 +98,6 @@ class DiskOptions:
             raise ValueError(f"io_threads: got {self.io_threads}; expected at least 1")
 
 
-class _BurstLog:
-    """Log a failure kind at most once per ``interval`` seconds, with a count."""
-
-    def __init__(self, interval: float = 10.0) -> None:
-        self._interval = interval
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def warning(self, kind: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(kind, -self._interval) < self._interval:
-                self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-                return
-            self._last[kind] = now
-            n = self._suppressed.pop(kind, 0)
-        log.warning(msg + (f" (+{n} more since last report)" if n else ""), *args)
-
-
 class DiskBackend(Backend):
     name = "disk"
     Options = DiskOptions
@@ -142,7 +123,7 @@ class DiskBackend(Backend):
             else LRUPolicy()
         )
         self._tmp_names = count()
-        self._burst = _BurstLog()
+        self._burst = BurstLog(log)
         self._counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "puts", "put_skipped_present", "put_failures", "put_enospc",
              "put_eacces", "put_erofs", "put_other_errors", "put_too_large", "put_no_room",

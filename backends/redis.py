@@ -60,6 +60,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from kvsdk.backend import Backend, BackendError, Buffer, TierContext
+from kvsdk.burst_log import BurstLog
 from kvsdk.chunk_format import FP_BYTES, CorruptChunk, UnverifiableChunk, decode_chunk, encode_chunk
 from kvsdk.hooks import hookimpl
 from kvsdk.types import ChunkKey, Locality, Medium
@@ -165,26 +166,6 @@ class _Breaker:
                 self._backoff = self._initial
 
 
-class _BurstLog:
-    """Log a failure kind at most once per ``interval`` seconds, with a count."""
-
-    def __init__(self, interval: float = 10.0) -> None:
-        self._interval = interval
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def warning(self, kind: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(kind, -self._interval) < self._interval:
-                self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-                return
-            self._last[kind] = now
-            n = self._suppressed.pop(kind, 0)
-        log.warning(msg + (f" (+{n} more since last report)" if n else ""), *args)
-
-
 _Route = tuple[str, Any, list[int]]  # (server name, client, positions in the batch)
 _AddCommands = Callable[[Any, list[int]], None]
 
@@ -212,7 +193,7 @@ class RedisBackend(Backend):
         self._kwargs = self._connection_kwargs()
         self._lock = threading.Lock()
         self._breakers: dict[str, _Breaker] = {}
-        self._burst = _BurstLog()
+        self._burst = BurstLog(log)
         self._counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "corrupt", "unverifiable", "puts", "put_failures", "deletes",
              "skipped", "outages", "command_errors", "topology_refreshes"), 0

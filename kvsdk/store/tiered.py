@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvsdk.backend import Backend, HostTier
+from kvsdk.burst_log import BurstLog
 from kvsdk.events import EventKind, EventTracker
 from kvsdk.metrics import Metrics
 from kvsdk.types import ChunkKey, LookupResult
@@ -95,6 +96,7 @@ class TieredStore:
         self._to_query: list[ChunkKey] = []
         self._io: list[_IO] = []
         self._generation = 0
+        self._burst = BurstLog(log)
         self._hits = self._misses = self._deferred = 0  # flushed to metrics by step()
         self._pool = (
             ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvsdk-io")
@@ -301,8 +303,12 @@ class TieredStore:
 
     def _backend_failed(self, tier: int, exc: BaseException) -> None:
         self.metrics.inc("kvsdk_backend_errors_total", tier=tier)
-        log.warning(
-            "tier %d (%s) failed, serving misses: %s", tier, type(self.tiers[tier]).__name__, exc
+        self._burst.warning(
+            f"tier{tier}",
+            "tier %d (%s) failed, serving misses: %s",
+            tier,
+            type(self.tiers[tier]).__name__,
+            exc,
         )
 
     def _reap(self) -> None:
