@@ -60,6 +60,29 @@ def parse_size(value: Any, path: str = "size") -> int:
     return n
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping."""
+
+
+def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> Any:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if isinstance(key, str) and key in seen:
+            mark = key_node.start_mark
+            raise ConfigError(
+                f"{key}: given twice (line {mark.line + 1}); expected each key once per mapping"
+            )
+        if isinstance(key, str):
+            seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_UniqueKeyLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping
+)
+
+
 # -- the schema ------------------------------------------------------------------------------
 
 
@@ -236,7 +259,7 @@ def load_config(source: str | Path | Mapping[str, Any] | None) -> KVSDKConfig:
                 raise ConfigError(f"config: file {str(path)!r} not found")
             text = path.read_text()
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_UniqueKeyLoader)
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -284,6 +307,11 @@ def _check(cfg: KVSDKConfig, backends: Mapping[str, type]) -> None:
         raise ConfigError(
             f"admission.min_lookups: got {cfg.admission.min_lookups}; expected 0 or more"
         )
+    port = cfg.metrics.prometheus_port
+    if port is not None and not 1 <= port <= 65535:
+        raise ConfigError(f"metrics.prometheus_port: got {port}; expected a port from 1 to 65535")
+    if cfg.events.max_pending < 1:
+        raise ConfigError(f"events.max_pending: got {cfg.events.max_pending}; expected at least 1")
     if cfg.io_threads < 1:
         raise ConfigError(f"io_threads: got {cfg.io_threads}; expected at least 1")
 

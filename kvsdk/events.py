@@ -49,6 +49,9 @@ class EventTracker:
         self._unpublished: deque[KVEvent] = deque()
         self._annotations: dict[ChunkKey, Any] = {}
         self.dropped = 0
+        """Events the adapter never drained (oldest dropped first)."""
+        self.dropped_unpublished = 0
+        """Events dropped before the sinks saw them."""
 
     def annotate(self, key: ChunkKey, info: Any) -> None:
         """Attach engine-side detail to a key's future events (bounded)."""
@@ -73,11 +76,14 @@ class EventTracker:
         if self._annotations:
             info = tuple(self._annotations.get(k) for k in keys)
         event = KVEvent(kind, tuple(keys), tier, medium, locality, time.time(), info)
-        for q in (self._pending, self._unpublished):
-            q.append(event)
-            if len(q) > self.max_pending:
-                q.popleft()
-                self.dropped += 1
+        self._pending.append(event)
+        if len(self._pending) > self.max_pending:
+            self._pending.popleft()  # the adapter is not draining: keep the newest
+            self.dropped += 1
+        self._unpublished.append(event)
+        if len(self._unpublished) > self.max_pending:
+            self._unpublished.popleft()
+            self.dropped_unpublished += 1
 
     def take_events(self) -> list[KVEvent]:
         """Drain the adapter's queue."""

@@ -12,6 +12,8 @@ from kvsdk.keys import Namespace
 from kvsdk.metrics import Metrics, start_prometheus_exporter
 from kvsdk.store.tiered import TieredStore
 
+_exporters: dict[int, Metrics] = {}
+
 
 def build_tiers(
     config: KVSDKConfig, namespace: Namespace, chunk_bytes: int, *, slab_name: str | None = None
@@ -53,8 +55,13 @@ def build_store(
     host, *lower = build_tiers(config, namespace, chunk_bytes, slab_name=slab_name)
     assert isinstance(host, HostTier)
     metrics = metrics or Metrics()
-    if config.metrics.prometheus_port is not None:
-        start_prometheus_exporter(metrics, config.metrics.prometheus_port)
+    port = config.metrics.prometheus_port
+    if port is not None:
+        if port in _exporters:  # one exporter per port and process; it serves the first store
+            metrics = _exporters[port]
+        else:
+            start_prometheus_exporter(metrics, port)
+            _exporters[port] = metrics
     plugins_manager.plugin_manager().hook.kvsdk_startup(config=config)
     return TieredStore(
         host,
