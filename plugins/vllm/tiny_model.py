@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MARKER_FILE", "make_tiny_llama"]
+__all__ = ["MARKER_FILE", "make_tiny_hybrid", "make_tiny_llama"]
 
 #: Written last into the model directory; records what was built.
 MARKER_FILE = "kvsdk_tiny_model.json"
@@ -143,3 +143,58 @@ def _build(target: Path, spec: dict[str, Any]) -> None:
             param.data = values.to(torch_dtype)
     model = model.to(torch_dtype)
     model.save_pretrained(target, safe_serialization=True)
+
+
+def make_tiny_hybrid(
+    path: str | os.PathLike[str], *, seed: int = 0, sliding_window: int = 64
+) -> Path:
+    """A tiny Gemma2 (sliding-window layers interleaved with full attention):
+    vLLM gives it two KV cache groups, one of them sliding-window.
+
+    Gemma2 ties its output to its embeddings, so random weights would predict
+    the current token forever; small equal-norm embeddings and larger layer
+    weights make the greedy tokens vary, so wrong KV shows in them.
+    """
+    out = Path(path)
+    spec: dict[str, Any] = {
+        "arch": "gemma2",
+        "seed": seed,
+        "sliding_window": sliding_window,
+        "format": _FORMAT_VERSION,
+    }
+    if (out / MARKER_FILE).is_file() and json.loads((out / MARKER_FILE).read_text()) == spec:
+        return out
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=32000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=sliding_window,
+        max_position_embeddings=4096,
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        model = Gemma2ForCausalLM(config)  # type: ignore[no-untyped-call]
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in sorted(params):
+            p = params[name]
+            if "norm" in name:
+                p.zero_()  # Gemma's norms scale by (1 + weight)
+            else:
+                p.copy_(torch.empty(p.shape).normal_(0.0, 0.3, generator=gen))
+        emb = model.model.embed_tokens.weight
+        emb.copy_(emb / emb.norm(dim=1, keepdim=True) * 0.02)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / MARKER_FILE).write_text(json.dumps(spec))
+    return out

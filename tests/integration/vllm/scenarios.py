@@ -103,7 +103,7 @@ def fail_every_load() -> None:
 def main() -> None:
     scenario, model, out_path = sys.argv[1:4]
     res: dict[str, Any] = {}
-    if scenario == "basic":
+    if scenario in ("basic", "hybrid"):
         llm = make_llm(model)
         res["cold"] = generate(llm, P)
         res["local"] = generate(llm, P)
@@ -139,6 +139,9 @@ def main() -> None:
         res["after"] = generate(llm, P)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
+    from kvsdk.plugins.vllm.connector import ACTIVE_SCHEDULER_SIDES
+
+    res["groups"] = [g.kind.value for g in ACTIVE_SCHEDULER_SIDES[0].layout.groups]
     with open(out_path, "w") as f:
         json.dump(res, f)
 

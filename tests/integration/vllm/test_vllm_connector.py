@@ -24,6 +24,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama", seed=0))
 
 
+@pytest.fixture(scope="session")
+def hybrid_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from kvsdk.plugins.vllm.tiny_model import make_tiny_hybrid
+
+    return str(make_tiny_hybrid(tmp_path_factory.mktemp("model") / "tiny-gemma2", seed=0))
+
+
 def run(scenario: str, model: str, tmp_path: Path) -> dict[str, Any]:
     out = tmp_path / f"{scenario}.json"
     proc = subprocess.run(
@@ -76,3 +83,25 @@ def test_failed_loads_are_recomputed_and_never_change_the_output(
     r = run("failing_loads", model_dir, tmp_path)
     assert same(r["failed_load"], r["cold"])
     assert same(r["after"], r["cold"])
+
+
+def test_hybrid_model_with_a_sliding_window_group_matches_bitwise(
+    hybrid_model_dir: str, tmp_path: Path
+) -> None:
+    """Gemma2: full-attention and sliding-window KV groups, both through kvsdk."""
+    r = run("hybrid", hybrid_model_dir, tmp_path)
+    assert sorted(r["groups"]) == ["full_attention", "sliding_window"]
+    assert r["kvsdk"]["cached"] == 192
+    assert same(r["kvsdk"], r["local"])
+    assert len(set(r["kvsdk"]["tokens"])) > 3  # the model's output varies: wrong KV would show
+    assert r["q_kvsdk"]["cached"] == 96
+    assert same(r["q_kvsdk"], r["q_local"])
+    assert r["after_full_reset"]["cached"] == 0
+
+
+def test_hybrid_negative_control_corrupted_kv_changes_the_output(
+    hybrid_model_dir: str, tmp_path: Path
+) -> None:
+    r = run("corrupt", hybrid_model_dir, tmp_path)
+    assert r["kvsdk"]["cached"] == 192
+    assert not same(r["kvsdk"], r["local"])
