@@ -145,7 +145,7 @@ def _type_name(tp: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return " or ".join(_type_name(a) for a in args) + " or null"
-    if dataclasses.is_dataclass(tp):
+    if dataclasses.is_dataclass(tp) or typing.get_origin(tp) is dict:
         return "a mapping"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
         tp, getattr(tp, "__name__", str(tp))
@@ -181,6 +181,9 @@ def _coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any]) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+    elif origin is dict:
+        if isinstance(value, Mapping):
+            return dict(value)
     elif origin is tuple and isinstance(value, list | tuple):
         (item_tp, *_rest) = typing.get_args(tp)
         return tuple(_coerce(v, item_tp, f"{path}[{i}]", {}) for i, v in enumerate(value))
@@ -240,6 +243,11 @@ def _build_tier(item: Any, path: str, backends: Mapping[str, type]) -> TierConfi
     assert isinstance(options_cls, type) and dataclasses.is_dataclass(options_cls)
     options = _build(options_cls, {k: v for k, v in item.items() if k != "backend"}, path)
     return TierConfig(backend=name, options=options)
+
+
+def build_tier_config(item: Any, path: str) -> TierConfig:
+    """Validate one tier mapping (``backend:`` plus its options); for wrapper tiers."""
+    return _build_tier(item, path, plugins_manager.backends())
 
 
 def load_config(source: str | Path | Mapping[str, Any] | None) -> KVSDKConfig:
@@ -337,6 +345,8 @@ def _schema_of(tp: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
                 },
             ]
         }
+    if typing.get_origin(tp) is dict:
+        return {"type": "object"}
     if tp is bool:
         return {"type": "boolean"}
     if tp is int:

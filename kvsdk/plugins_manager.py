@@ -19,11 +19,13 @@ log = logging.getLogger(__name__)
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "kvsdk.eviction",
     "kvsdk.backends.cpu",
+    "kvsdk.backends.disk",
+    "kvsdk.backends.faulty",
     "kvsdk.transfer_cpu",
 )
 """kvsdk's own plugins; registered exactly like third-party ones."""
 
-OPTIONAL_DEFAULT_PLUGINS: tuple[str, ...] = ("kvsdk.backends.disk", "kvsdk.backends.redis")
+OPTIONAL_DEFAULT_PLUGINS: tuple[str, ...] = ("kvsdk.backends.redis",)
 """Built-ins whose dependencies are extras; skipped when the extra is absent."""
 
 
