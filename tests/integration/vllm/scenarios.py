@@ -55,12 +55,17 @@ def make_llm(model: str, *, module_path: bool = False, transfer: str | None = No
     )
 
 
-def generate(llm: Any, prompt: list[int], max_tokens: int = 12) -> dict[str, Any]:
+def generate(
+    llm: Any, prompt: list[int], max_tokens: int = 12, salt: str | None = None
+) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
-    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
+    tp = TokensPrompt(prompt_token_ids=prompt)
+    if salt is not None:
+        tp["cache_salt"] = salt
+    out = llm.generate([tp], sp, use_tqdm=False)[0]
     c = out.outputs[0]
     return {
         "tokens": list(c.token_ids),
@@ -125,6 +130,15 @@ def main() -> None:
         llm.reset_prefix_cache()
         corrupt_host_tier()
         res["kvsdk"] = generate(llm, P)
+    elif scenario == "tenants":
+        llm = make_llm(model)
+        res["a_cold"] = generate(llm, P, salt="tenant-a")
+        llm.reset_prefix_cache()
+        res["b"] = generate(llm, P, salt="tenant-b")  # same tokens, other tenant: no sharing
+        llm.reset_prefix_cache()
+        res["a_again"] = generate(llm, P, salt="tenant-a")
+        llm.reset_prefix_cache()
+        res["unsalted"] = generate(llm, P)
     elif scenario == "module_path":
         llm = make_llm(model, module_path=True)
         res["cold"] = generate(llm, P)

@@ -105,3 +105,13 @@ def test_hybrid_negative_control_corrupted_kv_changes_the_output(
     r = run("corrupt", hybrid_model_dir, tmp_path)
     assert r["kvsdk"]["cached"] == 192
     assert not same(r["kvsdk"], r["local"])
+
+
+def test_requests_with_different_cache_salt_never_share_chunks(
+    model_dir: str, tmp_path: Path
+) -> None:
+    r = run("tenants", model_dir, tmp_path)
+    assert r["a_cold"]["cached"] == 0
+    assert r["b"]["cached"] == 0  # tenant b never sees tenant a's chunks
+    assert r["a_again"]["cached"] == 192  # tenant a does
+    assert r["unsalted"]["cached"] == 0
