@@ -315,7 +315,9 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
     ) -> None:
         self.storage_config = storage_config
         extra = dict(storage_config.extra_config or {})
-        source = extra.get("config") or (kwargs or {}).get("config") or os.environ.get(CONFIG_ENV)
+        source = extra.get("config")
+        if source is None:
+            source = (kwargs or {}).get("config", os.environ.get(CONFIG_ENV))
         if source is None:
             raise ConfigError(
                 "config: missing; pass kvsdk's config in the storage extra config "
