@@ -8,6 +8,7 @@ allocation ever happens on the hot path.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -63,6 +64,8 @@ class CPUBackend(HostTier):
         self._state: dict[ChunkKey, int] = {}
         self._length: dict[ChunkKey, int] = {}
         self._pins: dict[ChunkKey, int] = {}
+        self._owner: dict[ChunkKey, str] = {}
+        self._usage: Counter[str] = Counter()
         factory = context.policy_factory
         self._policy: EvictionPolicy = factory(capacity=n) if factory else LRUPolicy()
         self.evictions = 0
@@ -91,24 +94,46 @@ class CPUBackend(HostTier):
     def _can_evict(self, key: ChunkKey) -> bool:
         return self._state.get(key) == _READY and key not in self._pins
 
-    def reserve(self, keys: Sequence[ChunkKey]) -> tuple[list[int], list[ChunkKey]] | None:
+    def reserve(
+        self, keys: Sequence[ChunkKey], *, owner: str = "", limit: int | None = None
+    ) -> tuple[list[int], list[ChunkKey]] | None:
         assert not any(k in self._slot for k in keys), "reserve() of a present key"
-        shortfall = len(keys) - len(self._free)
-        evicted: list[ChunkKey] = []
-        if shortfall > 0:
-            evicted = self._policy.victims(shortfall, self._can_evict)
-            if len(evicted) < shortfall:
+        if limit is not None and len(keys) > limit:
+            return None
+        over = len(keys) + self._usage[owner] - limit if limit is not None else 0
+        own: list[ChunkKey] = []
+        if over > 0:  # the tenant is at its quota: it makes room from its own entries
+            own = self._policy.victims(
+                over, lambda k: self._owner.get(k) == owner and self._can_evict(k)
+            )
+            if len(own) < over:
                 return None
-            for key in evicted:
-                self._policy.evicted(key)
-                self._drop(key)
-            self.evictions += len(evicted)
+        shortfall = len(keys) - len(self._free) - len(own)
+        others: list[ChunkKey] = []
+        if shortfall > 0:
+            chosen = set(own)
+            others = self._policy.victims(
+                shortfall, lambda k: k not in chosen and self._can_evict(k)
+            )
+            if len(others) < shortfall:
+                return None
+        evicted = own + others
+        for key in evicted:
+            self._policy.evicted(key)
+            self._drop(key)
+        self.evictions += len(evicted)
         slots = [self._free.pop() for _ in keys]
         for key, slot in zip(keys, slots):
             self._slot[key] = slot
             self._state[key] = _WRITING
             self._length[key] = self.slot_bytes
+            self._owner[key] = owner
+        self._usage[owner] += len(keys)
         return slots, evicted
+
+    def usage(self, owner: str = "") -> int:
+        """Slots held (readable or being written) by ``owner``."""
+        return self._usage[owner]
 
     def commit(self, keys: Sequence[ChunkKey], ok: bool) -> None:
         for key in keys:
@@ -138,6 +163,10 @@ class CPUBackend(HostTier):
             self._policy.touch(key)
 
     def _drop(self, key: ChunkKey) -> None:
+        owner = self._owner.pop(key, "")
+        self._usage[owner] -= 1
+        if not self._usage[owner]:
+            del self._usage[owner]
         slot = self._slot.pop(key)
         self._state.pop(key, None)
         self._length.pop(key, None)

@@ -123,9 +123,15 @@ class HostTier(Backend):
         """Readable or being written (a store for it is in flight)."""
 
     @abstractmethod
-    def reserve(self, keys: Sequence[ChunkKey]) -> tuple[list[int], list[ChunkKey]] | None:
+    def reserve(
+        self, keys: Sequence[ChunkKey], *, owner: str = "", limit: int | None = None
+    ) -> tuple[list[int], list[ChunkKey]] | None:
         """Slots for new entries, evicting as needed: ``(slots, evicted_keys)``,
-        or None (nothing reserved) when there is no room."""
+        or None (nothing reserved) when there is no room.
+
+        ``owner`` (a tenant) is charged for the entries; with ``limit`` it may
+        hold at most that many slots: beyond it, its own entries are evicted
+        first, and the reservation fails if they cannot be."""
 
     @abstractmethod
     def commit(self, keys: Sequence[ChunkKey], ok: bool) -> None: ...

@@ -125,6 +125,10 @@ class KVSDKConfig:
     """Per-request cap on tokens loaded from kvsdk (None: unlimited)."""
     tenant: str = ""
     """Salt mixed into the namespace: tenants never share chunks."""
+    tenant_quotas: dict[str, float] = field(default_factory=dict)
+    """Share of the host tier each request tenant may hold (vLLM: the request's
+    ``cache_salt``; ``""`` for unsalted requests; ``"*"`` for any tenant not listed),
+    e.g. ``{"*": 0.5, "acme": 0.25}``. Unlisted tenants without ``"*"``: no limit."""
     model_id: str | None = None
     """Overrides the model identity the adapter derives (e.g. a weights digest)."""
     io_threads: int = 4
@@ -320,6 +324,11 @@ def _check(cfg: KVSDKConfig, backends: Mapping[str, type]) -> None:
         raise ConfigError(f"metrics.prometheus_port: got {port}; expected a port from 1 to 65535")
     if cfg.events.max_pending < 1:
         raise ConfigError(f"events.max_pending: got {cfg.events.max_pending}; expected at least 1")
+    for name, share in cfg.tenant_quotas.items():
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+            raise ConfigError(
+                f"tenant_quotas.{name}: got {share!r}; expected a share of the tier in (0, 1]"
+            )
     if cfg.io_threads < 1:
         raise ConfigError(f"io_threads: got {cfg.io_threads}; expected at least 1")
 

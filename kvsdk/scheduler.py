@@ -49,6 +49,7 @@ class _Request:
     next_store_chunk: list[int]
     num_computed_local: int = 0
     deferred_since: float | None = None
+    tenant: str = ""
     finished: bool = False
     """Its final stores were built (``build_step`` saw it in ``finished``)."""
     engine_finished: bool = False
@@ -123,6 +124,7 @@ class OffloadScheduler:
         num_prompt_tokens: int,
         block_hashes: Sequence[bytes] | None = None,
         token_ids: Sequence[int] | None = None,
+        tenant: str = "",
     ) -> None:
         """``block_hashes`` (the engine's, updated in place as the request
         grows) or ``token_ids`` (kvsdk hashes them) identify the content."""
@@ -138,6 +140,7 @@ class OffloadScheduler:
             block_ids=[[] for _ in self.groups],
             keys=[[] for _ in self.groups],
             next_store_chunk=[0] * len(self.groups),
+            tenant=tenant,
         )
 
     def _refresh_keys(self, r: _Request) -> None:
@@ -321,7 +324,7 @@ class OffloadScheduler:
             r.next_store_chunk[gi] = max(r.next_store_chunk[gi], stop)
         if not candidates:
             return None
-        plan = self.store.prepare_store([r.keys[gi][c] for gi, c in candidates])
+        plan = self.store.prepare_store([r.keys[gi][c] for gi, c in candidates], r.tenant)
         if plan is None or not plan.keys:
             return None
         slot_of = dict(zip(plan.keys, plan.slots))

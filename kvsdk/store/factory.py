@@ -69,6 +69,7 @@ def build_store(
         events=EventTracker(enabled=config.events.enabled, max_pending=config.events.max_pending),
         metrics=metrics,
         min_lookups=config.admission.min_lookups,
+        tenant_quotas=config.tenant_quotas,
         io_threads=config.io_threads,
     )
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -84,6 +84,7 @@ class TieredStore:
         metrics: Metrics | None = None,
         min_lookups: int = 0,
         io_threads: int = 4,
+        tenant_quotas: Mapping[str, float] | None = None,
     ) -> None:
         self.host = host
         self.lower = tuple(lower)
@@ -91,6 +92,7 @@ class TieredStore:
         self.events = events or EventTracker()
         self.metrics = metrics or Metrics()
         self.min_lookups = min_lookups
+        self.tenant_quotas = dict(tenant_quotas or {})
         self._lookup_counts: OrderedDict[ChunkKey, int] = OrderedDict()
         self._remote: dict[ChunkKey, _Remote] = {}
         self._to_query: list[ChunkKey] = []
@@ -154,13 +156,19 @@ class TieredStore:
         self.host.unpin(keys)
 
     # -- stores --------------------------------------------------------------------------
-    def prepare_store(self, keys: Sequence[ChunkKey]) -> StorePlan | None:
+    def quota_slots(self, tenant: str) -> int | None:
+        """Host slots ``tenant`` may hold, or None (no limit)."""
+        share = self.tenant_quotas.get(tenant, self.tenant_quotas.get("*"))
+        return None if share is None else max(1, int(share * self.host.num_slots))
+
+    def prepare_store(self, keys: Sequence[ChunkKey], tenant: str = "") -> StorePlan | None:
+        """``tenant`` is charged for the new entries (see ``tenant_quotas``)."""
         new = list(dict.fromkeys(k for k in keys if not self.host.contains(k)))
         if self.min_lookups:
             new = [k for k in new if self._lookup_counts.get(k, 0) >= self.min_lookups]
         if not new:
             return StorePlan((), ())
-        reserved = self.host.reserve(new)
+        reserved = self.host.reserve(new, owner=tenant, limit=self.quota_slots(tenant))
         if reserved is None:
             self.metrics.inc("kvsdk_allocation_failures_total")
             return None

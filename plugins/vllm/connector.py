@@ -263,7 +263,10 @@ class _SchedulerSide:
         rid = request.request_id
         if not self.core.has_request(rid):
             self.core.add_request(
-                rid, num_prompt_tokens=request.num_prompt_tokens, block_hashes=request.block_hashes
+                rid,
+                num_prompt_tokens=request.num_prompt_tokens,
+                block_hashes=request.block_hashes,
+                tenant=request.cache_salt or "",
             )
         self.requests[rid] = request
         if getattr(request, "skip_reading_prefix_cache", False):

@@ -30,10 +30,16 @@ P = [rng.randrange(3, 32000) for _ in range(200)]
 Q = P[:100] + [rng.randrange(3, 32000) for _ in range(60)]
 
 
-def make_llm(model: str, *, module_path: bool = False, transfer: str | None = None) -> Any:
+def make_llm(
+    model: str,
+    *,
+    module_path: bool = False,
+    transfer: str | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> Any:
     from vllm import LLM
 
-    config = dict(KVSDK_CONFIG)
+    config = dict(KVSDK_CONFIG, **(overrides or {}))
     if transfer:
         config["transfer"] = transfer
     ktc: dict[str, Any] = {
@@ -139,6 +145,18 @@ def main() -> None:
         res["a_again"] = generate(llm, P, salt="tenant-a")
         llm.reset_prefix_cache()
         res["unsalted"] = generate(llm, P)
+    elif scenario in ("quota", "no_quota"):
+        # 16 host slots of one 32-token chunk; the "greedy" tenant may hold 8 of them
+        small: dict[str, Any] = {"tiers": [{"backend": "cpu", "capacity": 16 * 131072}]}
+        if scenario == "quota":
+            small["tenant_quotas"] = {"greedy": 0.5}
+        llm = make_llm(model, overrides=small)
+        res["calm_cold"] = generate(llm, P, salt="calm")
+        flood = random.Random(7)
+        for _ in range(6):
+            generate(llm, [flood.randrange(3, 32000) for _ in range(200)], 2, salt="greedy")
+        llm.reset_prefix_cache()
+        res["calm_again"] = generate(llm, P, salt="calm")
     elif scenario == "module_path":
         llm = make_llm(model, module_path=True)
         res["cold"] = generate(llm, P)

@@ -115,3 +115,13 @@ def test_requests_with_different_cache_salt_never_share_chunks(
     assert r["b"]["cached"] == 0  # tenant b never sees tenant a's chunks
     assert r["a_again"]["cached"] == 192  # tenant a does
     assert r["unsalted"]["cached"] == 0
+
+
+def test_tenant_quota_keeps_a_flooding_tenant_from_evicting_others(
+    model_dir: str, tmp_path: Path
+) -> None:
+    with_quota = run("quota", model_dir, tmp_path)
+    assert with_quota["calm_again"]["cached"] == 192
+    assert with_quota["calm_again"]["tokens"] == with_quota["calm_cold"]["tokens"]
+    control = run("no_quota", model_dir, tmp_path)  # the same flood without a quota
+    assert control["calm_again"]["cached"] < 192

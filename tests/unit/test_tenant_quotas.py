@@ -1,0 +1,57 @@
+"""Per-tenant quotas on the host tier: a tenant over its share evicts its own
+entries, never another tenant's."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsdk.config import ConfigError, load_config
+from kvsdk.keys import GroupLayout, Namespace
+from kvsdk.store.factory import build_store
+from kvsdk.types import LookupResult
+
+NS = Namespace("m", "uint8", (GroupLayout((1,), "uint8"),), 16)
+
+
+def store_for(quotas: dict[str, float]) -> object:
+    cfg = load_config({"tiers": [{"backend": "cpu", "capacity": 20 * 64}], "tenant_quotas": quotas})
+    return build_store(cfg, NS, 64)
+
+
+def put(store: object, tenant: str, keys: list[bytes]) -> bool:
+    plan = store.prepare_store(keys, tenant)  # type: ignore[attr-defined]
+    if plan is None:
+        return False
+    store.complete_store(plan.keys)  # type: ignore[attr-defined]
+    return True
+
+
+def k(tenant: str, i: int) -> bytes:
+    return f"{tenant}:{i}".encode().ljust(16, b".")
+
+
+def test_a_tenant_over_its_share_evicts_only_its_own_chunks() -> None:
+    s = store_for({"greedy": 0.25})  # 5 of 20 slots
+    assert put(s, "calm", [k("calm", i) for i in range(10)])
+    for i in range(40):  # the greedy tenant streams far more than its share
+        assert put(s, "greedy", [k("greedy", i)])
+    host = s.host  # type: ignore[attr-defined]
+    assert host.usage("greedy") == 5
+    assert all(s.lookup(k("calm", i)) is LookupResult.HIT for i in range(10))  # type: ignore[attr-defined]
+    assert s.lookup(k("greedy", 39)) is LookupResult.HIT  # type: ignore[attr-defined]
+    assert s.lookup(k("greedy", 0)) is LookupResult.MISS  # type: ignore[attr-defined]
+
+
+def test_star_applies_to_unlisted_tenants_and_a_batch_larger_than_the_share_is_refused() -> None:
+    s = store_for({"*": 0.1, "vip": 1.0})  # 2 slots for everyone but vip
+    assert put(s, "t1", [k("t1", 0), k("t1", 1)])
+    assert not put(s, "t1", [k("t1", i) for i in range(2, 5)])
+    assert s.metrics.counter("kvsdk_allocation_failures_total") == 1  # type: ignore[attr-defined]
+    assert put(s, "vip", [k("vip", i) for i in range(15)])
+
+
+def test_quota_config_errors_name_the_tenant() -> None:
+    with pytest.raises(ConfigError, match=r"tenant_quotas\.acme: got 1\.5"):
+        load_config({"tenant_quotas": {"acme": 1.5}})
+    with pytest.raises(ConfigError, match=r"tenant_quotas\.acme: got 'lots'"):
+        load_config({"tenant_quotas": {"acme": "lots"}})
