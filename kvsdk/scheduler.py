@@ -61,7 +61,8 @@ class StepJobs:
     loads: tuple[TransferJob, ...]
     stores: tuple[TransferJob, ...]
     flush: frozenset[int]
-    """Jobs the workers must finish before this step's forward pass."""
+    """Jobs the workers must finish before this step's loads and forward pass
+    (their source blocks are about to be overwritten)."""
 
 
 @dataclass

@@ -206,13 +206,15 @@ class SyntheticEngine:
                 finished=finished_prev,
             )
             core += time.perf_counter() - c0
-            for job in jobs.loads:
-                self.worker.submit(job)
-            # stores that read blocks reused this step run before the forward pass
+            # stores that read blocks reused this step finish first (vLLM:
+            # handle_preemptions), then loads may overwrite those blocks
             early = [j for j in jobs.stores if j.job_id in jobs.flush]
             for job in early:
                 self.worker.submit(job)
-            self.worker.wait(jobs.flush | {j.job_id for j in jobs.loads})
+            self.worker.wait(jobs.flush)
+            for job in jobs.loads:
+                self.worker.submit(job)
+            self.worker.wait(j.job_id for j in jobs.loads)
             # the forward pass: check loaded KV, compute the scheduled tokens
             for req in running:
                 if req.external:
