@@ -37,6 +37,7 @@ from kvsdk.chunk_format import HEADER_SIZE
 from kvsdk.config import ConfigError
 from kvsdk.events import EventKind
 from kvsdk.plugins.sglang import KVSDKStorage
+from kvsdk.plugins.sglang.storage import load_storage_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/integration
 from redis_server import free_port, redis_server_fixture  # noqa: F401
@@ -346,6 +347,9 @@ def test_config_errors_are_one_clear_sentence(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="config: missing"):
         StorageBackendFactory.create_backend("dynamic", storage_config(extra_config={
             k: v for k, v in kvsdk_extra_config(None).items() if k != "config"}), None)  # fmt: skip
+    example = Path(__file__).resolve().parents[3] / "examples" / "sglang" / "kvsdk-disk.yaml"
+    _, tiers = load_storage_config(example)
+    assert [t.backend for t in tiers] == ["disk"] and tiers[0].options.io_threads == 2
     yaml_file = tmp_path / "kvsdk.yaml"
     yaml_file.write_text(f"tiers:\n  - backend: disk\n    path: {tmp_path}\n")
     storage = build(str(yaml_file))
