@@ -29,7 +29,10 @@ A host slot holds one chunk as ``(num_layers, blocks_per_chunk, block_bytes)``
 with a block's regions in order (K before V), so region ``r`` of block offset
 ``o`` of layer ``l`` in slot ``s`` starts at slab byte
 ``s * slot_bytes + ((l * blocks_per_chunk + o) * regions_per_block + r) * region_bytes``.
-For a one-region layout this is exactly the CPU worker's slot layout.
+For a one-region layout this is exactly the CPU worker's slot layout, and a
+block's bytes in a slot are the same whether the engine splits K/V on dim 0
+or on dim 1 (``[K | V]`` either way, for the same order inside K and V), so
+FlashAttention and FlashInfer caches of one model share chunks.
 """
 
 from __future__ import annotations
@@ -128,7 +131,7 @@ def block_regions(t: torch.Tensor | TensorGeometry, num_blocks: int | None = Non
     nb = g.shape[bdim]
     dims = [(g.shape[d], g.stride[d]) for d in range(len(g.shape)) if d != bdim]
     dims = [(n, s) for n, s in dims if n != 1]
-    if any(s == 0 for _, s in dims):
+    if any(s == 0 for _, s in dims) or (nb > 1 and g.stride[bdim] == 0):
         raise ValueError(f"KV tensor of shape {g.shape} strides {g.stride}: broadcast dims")
     by_stride = sorted(range(len(dims)), key=lambda i: dims[i][1])
     dense = 1

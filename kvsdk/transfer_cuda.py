@@ -58,6 +58,10 @@ log = logging.getLogger(__name__)
 DEFAULT_STAGING_BYTES = 64 << 20
 """Device staging buffer per direction; larger jobs go through it in pieces."""
 
+DIRECT_PREFERENCE = 1.05
+"""Copies per run win ties within 5%: they leave the SMs to the engine's
+compute, where the gather kernels take a few."""
+
 FALLBACK_DIRECT_MIN_RUN_BYTES = 1 << 20
 """Run size from which one copy per run beats gather + one copy, when it
 could not be measured (see :func:`measure_direct_threshold`)."""
@@ -102,6 +106,9 @@ class StreamRuntime(Protocol):
 
     def empty(self, nbytes: int) -> torch.Tensor:
         """A ``uint8`` buffer on the device."""
+
+    def index_tensor(self, a: np.ndarray) -> torch.Tensor:
+        """Row ids on the device, copied in the current stream's order."""
 
     def synchronize(self, stream: Any) -> None: ...
 
@@ -148,6 +155,11 @@ class CudaRuntime:
 
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def index_tensor(self, a: np.ndarray) -> torch.Tensor:
+        # through torch's pinned block cache: a true async copy that never waits
+        # for the stream, and the block is not reused before the copy is done
+        return torch.from_numpy(a).pin_memory().to(self.device, non_blocking=True)
 
     def synchronize(self, stream: Any) -> None:
         stream.synchronize()
@@ -438,10 +450,11 @@ class CUDATransferWorker(TransferWorker):
         slab = self._slab_flat
         staging = self._staging[direction]
         size = plan.row_bytes
-        device = staging.buf.device
+        assert self._rt is not None
         # every gather's row ids in one host → device copy
-        all_rows = [g.rows for p in plan.pieces for g in p.gathers]
-        idx = torch.from_numpy(np.concatenate(all_rows)).to(device, non_blocking=True)
+        idx = self._rt.index_tensor(
+            np.concatenate([g.rows for p in plan.pieces for g in p.gathers])
+        )
         k = 0
         for piece in plan.pieces:
             buf = staging.buf
@@ -604,12 +617,13 @@ def time_copy_paths(
 
 
 def measure_direct_threshold(device: torch.device) -> int:
-    """Smallest run size at which one copy per run is at least as fast as
-    gather + one copy (and stays so for every larger size measured)."""
+    """Smallest run size from which one copy per run is about as fast as
+    gather + one copy (within ``DIRECT_PREFERENCE``), for every larger size
+    measured too."""
     timings = time_copy_paths(device)
     threshold = 1 << 62
     for t in reversed(timings):
-        if t.direct_s <= t.staged_s:
+        if t.direct_s <= t.staged_s * DIRECT_PREFERENCE:
             threshold = t.run_bytes
         else:
             break
