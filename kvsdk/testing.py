@@ -83,7 +83,7 @@ import pickle
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
@@ -230,9 +230,15 @@ class _Harness:
         return backend
 
     def close_all(self) -> None:
+        """Close every backend opened (each once more, for those a check closed)."""
         opened, self._opened = self._opened, []
+        errors = []
         for backend in opened:
-            backend.close()
+            try:
+                backend.close()
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+        _require(not errors, f"close() raised {errors[0]}" if errors else "")
 
 
 # -- the checks ----------------------------------------------------------------------------
@@ -302,9 +308,10 @@ def check_round_trip(h: _Harness) -> None:
     keys = [key_for("round-trip", size) for size in PAYLOAD_SIZES]
     values = [payload_for("round-trip", size) for size in PAYLOAD_SIZES]
     _put_all(b, list(zip(keys, values)), f"payloads of {list(PAYLOAD_SIZES)} bytes")
+    present = _exists(b, keys)
     _require(
-        _exists(b, keys) == [True] * len(keys),
-        f"exists() after put is {_exists(b, keys)}; expected all True",
+        present == [True] * len(keys),
+        f"exists() after put is {present}; expected all True",
     )
     for size, want, got in zip(PAYLOAD_SIZES, values, _get(b, keys)):
         _require(got is not None, f"get() of a stored {size}-byte payload was a miss")
@@ -347,7 +354,8 @@ def check_missing_keys(h: _Harness) -> None:
     """A key never stored is a miss everywhere, not an error."""
     b = h.fresh()
     keys = [key_for("missing", i) for i in range(3)]
-    _require(_exists(b, keys) == [False] * 3, f"exists() of missing keys is {_exists(b, keys)}")
+    present = _exists(b, keys)
+    _require(present == [False] * 3, f"exists() of missing keys is {present}")
     got = _get(b, keys)
     _require(
         got == [None] * 3,
@@ -388,9 +396,10 @@ def check_delete_counts(h: _Harness) -> None:
     _put_all(b, [(k, payload_for("delete", 64 + i)) for i, k in enumerate(keys)], "4 keys")
     n = b.delete([keys[0], keys[1], keys[0], key_for("delete-missing")])
     _require(n == 2, f"delete([k0, k1, k0, missing]) of stored k0, k1 returned {n!r}; expected 2")
+    present = _exists(b, keys)
     _require(
-        _exists(b, keys) == [False, False, True, True],
-        f"exists() after delete is {_exists(b, keys)}",
+        present == [False, False, True, True],
+        f"exists() after delete is {present}",
     )
     got = _get(b, keys[:2])
     _require(got == [None, None], f"get() of deleted keys returned {[_show(v) for v in got]}")
@@ -404,7 +413,8 @@ def check_clear(h: _Harness) -> None:
     keys = [key_for("clear", i) for i in range(5)]
     _put_all(b, [(k, payload_for("clear", 10 + i)) for i, k in enumerate(keys)], "5 keys")
     b.clear()
-    _require(_exists(b, keys) == [False] * 5, f"exists() after clear() is {_exists(b, keys)}")
+    present = _exists(b, keys)
+    _require(present == [False] * 5, f"exists() after clear() is {present}")
     _require(_get(b, keys) == [None] * 5, "get() after clear() returned data")
     b.clear()  # clearing an empty backend is fine
     _put_all(b, [(keys[0], b"after clear")], "a key after clear()")
@@ -671,9 +681,10 @@ def check_persistent(h: _Harness) -> None:
     first.delete(keys[2:])
     first.close()
     second = h.open()
+    present = _exists(second, keys)
     _require(
-        _exists(second, keys) == [True, True, False],
-        f"a reopened instance's exists() is {_exists(second, keys)}",
+        present == [True, True, False],
+        f"a reopened instance's exists() is {present}",
     )
     _require(
         _get(second, keys) == [*values[:2], None],
@@ -745,8 +756,11 @@ def _harness(
     h = _Harness(factory, persistent=persistent, shared=shared, raw=raw)
     try:
         yield h
-    finally:
-        h.close_all()
+    except BaseException:
+        with suppress(AssertionError):  # the check's own failure is the one to report
+            h.close_all()
+        raise
+    h.close_all()
 
 
 def run_backend_conformance(
