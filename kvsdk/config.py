@@ -125,7 +125,7 @@ class KVSDKConfig:
     """Per-request cap on tokens loaded from kvsdk (None: unlimited)."""
     tenant: str = ""
     """Salt mixed into the namespace: tenants never share chunks."""
-    tenant_quotas: dict[str, float] = field(default_factory=dict)
+    tenant_quotas: tuple[tuple[str, float], ...] = ()
     """Share of the host tier each request tenant may hold (vLLM: the request's
     ``cache_salt``; ``""`` for unsalted requests; ``"*"`` for any tenant not listed),
     e.g. ``{"*": 0.5, "acme": 0.25}``. Unlisted tenants without ``"*"``: no limit."""
@@ -286,10 +286,27 @@ def load_config(source: str | Path | Mapping[str, Any] | None) -> KVSDKConfig:
     if not isinstance(raw_tiers, list) or not raw_tiers:
         raise ConfigError(f"tiers: got {raw_tiers!r}; expected a non-empty list of tier mappings")
     tiers = tuple(_build_tier(t, f"tiers[{i}]", backends) for i, t in enumerate(raw_tiers))
-    cfg: KVSDKConfig = _build(KVSDKConfig, data, "", skip=("tiers",))
-    cfg = dataclasses.replace(cfg, tiers=tiers)
+    cfg: KVSDKConfig = _build(KVSDKConfig, data, "", skip=("tiers", "tenant_quotas"))
+    cfg = dataclasses.replace(cfg, tiers=tiers, tenant_quotas=_tenant_quotas(data))
     _check(cfg, backends)
     return cfg
+
+
+def _tenant_quotas(data: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
+    quotas = data.get("tenant_quotas") or {}
+    if not isinstance(quotas, Mapping):
+        raise ConfigError(
+            f"tenant_quotas: got {quotas!r}; expected a mapping of tenant to share, e.g. "
+            "{'*': 0.5, 'acme': 0.25}"
+        )
+    out = []
+    for name, share in quotas.items():
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+            raise ConfigError(
+                f"tenant_quotas.{name}: got {share!r}; expected a share of the tier in (0, 1]"
+            )
+        out.append((str(name), float(share)))
+    return tuple(out)
 
 
 def _check(cfg: KVSDKConfig, backends: Mapping[str, type]) -> None:
@@ -324,11 +341,6 @@ def _check(cfg: KVSDKConfig, backends: Mapping[str, type]) -> None:
         raise ConfigError(f"metrics.prometheus_port: got {port}; expected a port from 1 to 65535")
     if cfg.events.max_pending < 1:
         raise ConfigError(f"events.max_pending: got {cfg.events.max_pending}; expected at least 1")
-    for name, share in cfg.tenant_quotas.items():
-        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
-            raise ConfigError(
-                f"tenant_quotas.{name}: got {share!r}; expected a share of the tier in (0, 1]"
-            )
     if cfg.io_threads < 1:
         raise ConfigError(f"io_threads: got {cfg.io_threads}; expected at least 1")
 
@@ -390,6 +402,10 @@ def _dataclass_schema(cls: type, skip: tuple[str, ...] = ()) -> dict[str, Any]:
 def json_schema() -> dict[str, Any]:
     """JSON Schema (draft 2020-12) of the config file, for editors and CI linting."""
     root = _dataclass_schema(KVSDKConfig, skip=("tiers",))
+    root["properties"]["tenant_quotas"] = {
+        "type": "object",
+        "additionalProperties": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    }
     tier_variants = []
     for name, cls in sorted(plugins_manager.backends().items()):
         opt = _dataclass_schema(cls.Options)

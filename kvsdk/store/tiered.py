@@ -84,7 +84,7 @@ class TieredStore:
         metrics: Metrics | None = None,
         min_lookups: int = 0,
         io_threads: int = 4,
-        tenant_quotas: Mapping[str, float] | None = None,
+        tenant_quotas: Mapping[str, float] | Sequence[tuple[str, float]] | None = None,
     ) -> None:
         self.host = host
         self.lower = tuple(lower)

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
 from kvsdk import plugins_manager
 from kvsdk.events import EventKind
@@ -33,6 +34,7 @@ from kvsdk.scheduler import OffloadScheduler, WorkerResult
 from kvsdk.slab import host_slab
 from kvsdk.store.factory import build_store, host_slab_geometry
 from kvsdk.transfer import Direction, GroupLayers, TransferJob, TransferWorker
+from kvsdk.types import Locality
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -346,12 +348,16 @@ class _SchedulerSide:
     def take_events(self) -> Iterable[KVCacheEvent]:
         for ev in self.core.take_events():
             medium = ev.medium.value.upper()
+            locality = "REMOTE" if ev.locality is Locality.CLUSTER else "LOCAL"
             if ev.kind is EventKind.CLEARED:
                 yield AllBlocksCleared()
                 continue
-            hashes = [
-                info[2] if info else key
-                for key, info in zip(ev.keys, ev.info or [None] * len(ev.keys), strict=True)
+            hashes = [  # vLLM's own block hashes, in its external event form
+                maybe_convert_block_hash(BlockHash(h))
+                for h in [
+                    info[2] if info else key
+                    for key, info in zip(ev.keys, ev.info or [None] * len(ev.keys), strict=True)
+                ]
             ]
             groups = {info[0] for info in ev.info if info} if ev.info else set()
             group = groups.pop() if len(groups) == 1 else None
@@ -365,9 +371,12 @@ class _SchedulerSide:
                     medium=medium,
                     lora_name=None,
                     group_idx=group,
+                    locality=locality,
                 )
             else:
-                yield BlockRemoved(block_hashes=hashes, medium=medium)
+                yield BlockRemoved(
+                    block_hashes=hashes, medium=medium, group_idx=group, locality=locality
+                )
 
     def stats(self) -> KVSDKConnectorStats | None:
         self.store.flush_metrics()

@@ -14,6 +14,7 @@ import json
 import os
 import random
 import sys
+import time
 from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -36,6 +37,7 @@ def make_llm(
     module_path: bool = False,
     transfer: str | None = None,
     overrides: dict[str, Any] | None = None,
+    kv_events: dict[str, Any] | None = None,
 ) -> Any:
     from vllm import LLM
 
@@ -49,7 +51,9 @@ def make_llm(
     }
     if module_path:
         ktc["kv_connector_module_path"] = "kvsdk.plugins.vllm"
+    extra: dict[str, Any] = {"kv_events_config": kv_events} if kv_events else {}
     return LLM(
+        **extra,
         model=model,
         skip_tokenizer_init=True,
         enforce_eager=True,
@@ -157,6 +161,45 @@ def main() -> None:
             generate(llm, [flood.randrange(3, 32000) for _ in range(200)], 2, salt="greedy")
         llm.reset_prefix_cache()
         res["calm_again"] = generate(llm, P, salt="calm")
+    elif scenario == "events":
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        endpoint = "ipc://" + os.path.join(os.path.dirname(out_path), "kv-events.sock")
+        llm = make_llm(
+            model,
+            kv_events={"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint},
+        )
+        sub = zmq.Context().socket(zmq.SUB)
+        sub.connect(endpoint)  # vLLM's publisher binds ipc:// endpoints
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        time.sleep(0.5)  # let the subscription reach the publisher
+        res["cold"] = generate(llm, P)
+        llm.reset_prefix_cache(reset_connector=True)
+        generate(llm, [3, 4, 5], 1)  # one more step publishes the connector's last events
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        events: list[dict[str, Any]] = []
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            if not sub.poll(500):
+                if events:
+                    break
+                continue
+            _topic, _seq, payload = sub.recv_multipart()
+            for ev in decoder.decode(payload).events:
+                events.append(
+                    {
+                        "type": type(ev).__name__,
+                        "medium": getattr(ev, "medium", None),
+                        "locality": getattr(ev, "locality", None),
+                        "hashes": [
+                            bytes(h).hex() if isinstance(h, bytes) else str(h)
+                            for h in getattr(ev, "block_hashes", [])
+                        ],
+                    }
+                )
+        res["events"] = events
     elif scenario == "module_path":
         llm = make_llm(model, module_path=True)
         res["cold"] = generate(llm, P)

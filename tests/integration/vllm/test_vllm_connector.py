@@ -125,3 +125,19 @@ def test_tenant_quota_keeps_a_flooding_tenant_from_evicting_others(
     assert with_quota["calm_again"]["tokens"] == with_quota["calm_cold"]["tokens"]
     control = run("no_quota", model_dir, tmp_path)  # the same flood without a quota
     assert control["calm_again"]["cached"] < 192
+
+
+def test_kv_events_reach_a_zmq_subscriber_in_vllms_own_format(
+    model_dir: str, tmp_path: Path
+) -> None:
+    r = run("events", model_dir, tmp_path)
+    stored = [e for e in r["events"] if e["type"] == "BlockStored"]
+    kvsdk_stored = [e for e in stored if e["medium"] == "CPU"]
+    gpu_stored = [e for e in stored if e["medium"] != "CPU"]
+    assert kvsdk_stored and gpu_stored
+    assert all(e["locality"] == "LOCAL" for e in kvsdk_stored)
+    # kvsdk's chunks (one vLLM block each here) are named by vLLM's own block hashes
+    ours = {h for e in kvsdk_stored for h in e["hashes"]}
+    theirs = {h for e in gpu_stored for h in e["hashes"]}
+    assert len(ours) == 6 and ours <= theirs
+    assert any(e["type"] == "AllBlocksCleared" for e in r["events"])
