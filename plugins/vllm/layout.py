@@ -4,11 +4,12 @@ the namespace its chunks live in, and the config it was given."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from kvsdk.config import ConfigError, KVSDKConfig, load_config
 from kvsdk.keys import GroupLayout, Namespace
@@ -57,16 +58,56 @@ def load_engine_config(extra: dict[str, Any]) -> KVSDKConfig:
     return cfg
 
 
-def _weights_fingerprint(model: str) -> str:
-    """Cheap identity of local weights: names, sizes and head/tail bytes of each file."""
+_SAMPLES_PER_TENSOR = 16
+_SAMPLE_BYTES = 256
+
+
+def _sample_safetensors(fh: BinaryIO, size: int, h: Any) -> bool:
+    """Hash a safetensors file's header (every tensor's name, dtype, shape and
+    offsets) and samples spread over *every* tensor's bytes, so two models
+    that differ in any tensor (a fine-tune of a few layers) differ here.
+    False if the file is not safetensors."""
+    raw = fh.read(8)
+    if len(raw) < 8:
+        return False
+    header_len = int.from_bytes(raw, "little")
+    if not 0 < header_len <= min(size - 8, 100 << 20):
+        return False
+    header = fh.read(header_len)
+    try:
+        meta = json.loads(header)
+    except ValueError:
+        return False
+    h.update(header)
+    base = 8 + header_len
+    for name in sorted(k for k in meta if k != "__metadata__"):
+        begin, end = meta[name].get("data_offsets", (0, 0))
+        length = max(0, int(end) - int(begin))
+        step = max(1, length // _SAMPLES_PER_TENSOR)
+        for off in range(0, length, step)[:_SAMPLES_PER_TENSOR]:
+            fh.seek(base + int(begin) + off)
+            h.update(fh.read(min(_SAMPLE_BYTES, length - off)))
+        if length > _SAMPLE_BYTES:
+            fh.seek(base + int(end) - _SAMPLE_BYTES)
+            h.update(fh.read(_SAMPLE_BYTES))
+    return True
+
+
+def _weights_fingerprint(model: str, revision: str | None = None) -> str:
+    """Identity of the weights: for a local directory, every safetensors
+    tensor's header entry and bytes sampled across each tensor (other weight
+    files: names, sizes, head and tail); for a hub id, its revision."""
     root = Path(model)
     if not root.is_dir():
-        return ""
+        return revision or ""
     h = hashlib.blake2b(digest_size=16)
     for f in sorted(root.glob("*.safetensors")) + sorted(root.glob("*.bin")):
         size = f.stat().st_size
         h.update(f.name.encode() + size.to_bytes(8, "little"))
         with f.open("rb") as fh:
+            if f.suffix == ".safetensors" and _sample_safetensors(fh, size, h):
+                continue
+            fh.seek(0)
             h.update(fh.read(1 << 16))
             if size > 1 << 17:
                 fh.seek(-(1 << 16), os.SEEK_END)
@@ -119,7 +160,8 @@ def engine_layout(vllm_config: Any, kv_cache_config: Any) -> EngineLayout:
         chunk_bytes = max(chunk_bytes, page * len(group.layer_names) * bpc)
     model_cfg = vllm_config.model_config
     parallel = vllm_config.parallel_config
-    model_id = cfg.model_id or f"{model_cfg.model}@{_weights_fingerprint(model_cfg.model)}"
+    weights = _weights_fingerprint(model_cfg.model, getattr(model_cfg, "revision", None))
+    model_id = cfg.model_id or f"{model_cfg.model}@{weights}"
     namespace = Namespace(
         model=model_id,
         dtype=str(model_cfg.dtype),

@@ -11,7 +11,7 @@ writer's vLLM-own prefix hit bit for bit.
 
 Controls: an engine with other weights (seed 1) under the same model name,
 over the same disk directory, gets no hit. A model differing only in a
-middle layer must get another namespace too (it does not today: xfail).
+middle layer must get another namespace too.
 
 The readers run concurrently to keep the file's wall time modest; every
 engine is single-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so reruns
@@ -214,14 +214,6 @@ def test_foreign_weights_get_no_hit_from_the_shared_disk_dir(runs: dict[str, Any
     assert runs["disk_namespaces_after"] == sorted([a["fingerprint"], c["fingerprint"]])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "plugins/vllm/layout.py _weights_fingerprint() hashes only file names, sizes and the "
-        "first/last 64 KiB of each weights file, so a model whose middle layers differ "
-        "(a partial fine-tune) gets the same namespace and is served the other model's KV"
-    ),
-)
 def test_weights_differing_only_in_a_middle_layer_change_the_namespace(
     workdirs: dict[str, Path], tmp_path: Path
 ) -> None:
