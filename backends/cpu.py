@@ -9,7 +9,7 @@ allocation ever happens on the hot path.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -211,9 +211,17 @@ class CPUBackend(HostTier):
                 n += 1
         return n
 
-    def clear(self) -> None:
+    def clear(self, keep: Collection[ChunkKey] = ()) -> None:
+        """Drop every entry but those in ``keep`` (slots in-flight I/O still uses:
+        they stay unreadable and are dropped when that I/O ends)."""
+        keep = set(keep)
         for key in list(self._slot):
-            self._drop(key)
+            if key in keep:
+                self._policy.remove(key)
+                if self._state.get(key) == _READY:
+                    self._state[key] = _WRITING  # never readable again
+            else:
+                self._drop(key)
         self._policy.clear()
 
     def iter_keys(self) -> Iterator[ChunkKey]:

@@ -159,6 +159,7 @@ class FaultyBackend(Backend):
     def stats(self) -> dict[str, float]:
         s = dict(self.inner.stats())
         s.update({f"injected_{k}": float(v) for k, v in self.injected.items()})
+        s["corrupt"] = s.get("corrupt", 0.0) + self.injected["caught_by_checks"]
         return s
 
     def close(self) -> None:

@@ -29,7 +29,7 @@ fixed-size slots a transfer worker copies into directly.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -144,6 +144,10 @@ class HostTier(Backend):
 
     @abstractmethod
     def touch(self, keys: Sequence[ChunkKey]) -> None: ...
+
+    @abstractmethod
+    def clear(self, keep: Collection[ChunkKey] = ()) -> None:
+        """Drop every entry but ``keep`` (kept unreadable, for I/O still using their slots)."""
 
     @property
     @abstractmethod

@@ -22,6 +22,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "kvsdk.backends.disk",
     "kvsdk.backends.faulty",
     "kvsdk.transfer_cpu",
+    "kvsdk.transfer_cuda",
 )
 """kvsdk's own plugins; registered exactly like third-party ones."""
 

@@ -99,6 +99,9 @@ class TieredStore:
         self._io: list[_IO] = []
         self._generation = 0
         self._burst = BurstLog(log)
+        self._clearing = False
+        """A reset's clear of the slower tiers is in flight: they are not asked."""
+        self._corrupt_seen = [0.0] * len(self.tiers)
         self._hits = self._misses = self._deferred = 0  # flushed to metrics by step()
         self._pool = (
             ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvsdk-io")
@@ -113,7 +116,7 @@ class TieredStore:
         if self.host.slot_of(key) is not None:
             self._hits += 1
             return LookupResult.HIT
-        if not self.lower:
+        if not self.lower or self._clearing:
             self._misses += 1
             return LookupResult.MISS
         remote = self._remote.get(key)
@@ -226,6 +229,16 @@ class TieredStore:
             self.metrics.inc("kvsdk_lookup_deferred_total", self._deferred)
         self._hits = self._misses = self._deferred = 0
 
+    def _count_corrupt(self, t: int) -> None:
+        """After a failed promotion: integrity failures tier ``t`` counted → metrics."""
+        try:
+            seen = float(self.tiers[t].stats().get("corrupt", 0.0))
+        except Exception:
+            return
+        if seen > self._corrupt_seen[t]:
+            self.metrics.inc("kvsdk_corrupt_chunks_total", seen - self._corrupt_seen[t], tier=t)
+        self._corrupt_seen[t] = seen
+
     def has_pending_work(self) -> bool:
         return bool(self._io or self._to_query)
 
@@ -331,6 +344,18 @@ class TieredStore:
             except Exception as exc:  # a bug in a backend: never crash serving
                 log.exception("kvsdk I/O job failed: %s", exc)
                 result = None
+            if io.kind == "clear":
+                if io.generation == self._generation:
+                    self._clearing = False
+                continue
+            if io.generation != self._generation and io.kind in ("write", "promote"):
+                # issued before a reset: its host entries were kept only for it
+                if io.kind == "write":
+                    self.host.unpin(io.keys)
+                    self.host.delete(io.keys)
+                else:
+                    self.host.commit(io.keys, False)
+                continue
             if io.kind == "write":
                 if io.generation == self._generation:
                     self.host.unpin(io.keys)
@@ -381,36 +406,50 @@ class TieredStore:
         bad = [k for k, g in zip(io.keys, ok) if not g]
         self.host.commit(good, True)
         self.host.commit(bad, False)
+        t = int(io.extra["tier"])  # type: ignore[call-overload]
+        if bad:
+            self._count_corrupt(t)
         now = time.monotonic()
         for key in good:
             self._remote.pop(key, None)
         for key in bad:
             self._remote[key] = _Remote(_ABSENT, now)
         if good:
-            t = int(io.extra["tier"])  # type: ignore[call-overload]
             self.metrics.inc("kvsdk_loaded_bytes_total", len(good) * self._slot_bytes, tier=t)
             self._record(EventKind.STORED, good, 0)
 
     # -- reset / shutdown -------------------------------------------------------------------
     def reset(self) -> None:
-        """Drop every entry of every tier; late I/O results are ignored."""
+        """Drop every entry of every tier without waiting for any of them.
+
+        Host entries that in-flight I/O still reads or writes keep their slots
+        (never readable again) until that I/O finishes; slower tiers are
+        cleared on the I/O pool after the write-throughs issued before the
+        reset, and are not asked anything until then."""
+        self._reap()
         self._generation += 1
-        for io in self._io:
-            if io.kind in ("write", "promote"):
-                io.future.exception()  # they use slots that are about to be freed
-        self._io = [io for io in self._io if not io.future.done()]
+        busy = [io for io in self._io if io.kind in ("write", "promote")]
         self._remote.clear()
         self._to_query.clear()
         self._lookup_counts.clear()
-        self.host.clear()
+        self.host.clear(keep=[k for io in busy for k in io.keys])
         self.events.reset()
-        for t, tier in enumerate(self.tiers):
-            if t:
-                try:
-                    tier.clear()
-                except Exception as exc:
-                    self._backend_failed(t, exc)
+        if self.lower:
+            self._clearing = True
+            prior = [io.future for io in busy if io.kind == "write"]
+            self._submit("clear", [], self._clear_lower, prior)
+        for t in range(len(self.tiers)):
             self._record(EventKind.CLEARED, [], t)
+
+    def _clear_lower(self, prior: list[Future[Any]]) -> None:
+        """I/O thread: after the writes issued before a reset, clear every slower tier."""
+        for f in prior:
+            f.exception()
+        for t, tier in enumerate(self.lower, start=1):
+            try:
+                tier.clear()
+            except Exception as exc:
+                self._backend_failed(t, exc)
 
     def shutdown(self) -> None:
         if self._pool is not None:

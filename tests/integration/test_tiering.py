@@ -524,14 +524,6 @@ def test_garbage_planted_in_redis_is_a_miss_never_a_hit(chains: Callable[..., Ch
     client.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "kvsdk_corrupt_chunks_total (kvsdk/metrics.py:32) is never incremented: backends "
-        "count integrity failures only in their own stats()['corrupt'] and "
-        "TieredStore._promote/_apply_promote (kvsdk/store/tiered.py) see a plain False"
-    ),
-)
 def test_corrupt_chunks_are_counted_in_the_store_metrics(chains: Callable[..., Chain]) -> None:
     chain = chains("cpu-disk")
     assert chain.disk_dir is not None
@@ -743,14 +735,6 @@ def test_the_scheduler_thread_never_waits_for_a_slow_tier(
     assert max(calls) < CALL_LIMIT_S, f"slowest call {max(calls) * 1e3:.1f} ms"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "TieredStore.reset() (kvsdk/store/tiered.py, reset) waits on the scheduler thread for "
-        "in-flight write-through/promotion futures (io.future.exception()) and then calls "
-        "clear() of every lower tier synchronously: a slow disk or network stalls the engine"
-    ),
-)
 def test_reset_does_not_wait_for_a_slow_tier(
     slow_backends: None, chains: Callable[..., Chain]
 ) -> None:
