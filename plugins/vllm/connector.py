@@ -250,6 +250,7 @@ class _SchedulerSide:
         self.requests: dict[str, Request] = {}
         self._reported: dict[str, float] = {}
         self._reported_version = -1
+        self.preemptions = 0
         ACTIVE_SCHEDULER_SIDES.append(self)
         log.info(
             "kvsdk: %d KV group(s), chunk %d tokens / %d B, host tier %s slots",
@@ -312,6 +313,7 @@ class _SchedulerSide:
             else:  # the last sampled token's KV was never computed
                 finished[rid] = max(req.num_prompt_tokens, req.num_tokens - 1)
         copies = [c.dst_block_id for c in (so.kv_cache_block_copies or ())]
+        self.preemptions += len(so.preempted_req_ids or ())
         jobs = self.core.build_step(
             computed_after_step=computed,
             new_block_ids=new_blocks,

@@ -165,6 +165,7 @@ def run_soak(model: str, n: int, seed: int, workdir: Path, progress: Any = None)
         "backend_errors": metrics.counter("kvsdk_backend_errors_total"),
         "failed_jobs": metrics.counter("kvsdk_failed_jobs_total"),
         "aborted": sum(1 for r in reqs if r["abort_after_steps"] is not None),
+        "preemptions": side.preemptions,
     }
 
 
@@ -250,7 +251,8 @@ def format_report(r: dict[str, Any]) -> str:
     for kind, count in sorted(r["faults"].items()):
         lines.append(f"  {kind:<18} {count}")
     lines += [
-        f"requests                {r['requests']} ({r['aborted']} aborted on purpose)",
+        f"requests                {r['requests']} ({r['aborted']} aborted on purpose, "
+        f"{r['preemptions']} preemptions)",
         f"requests served         {r['served']}",
         f"outputs compared        {r['compared']} (greedy tokens vs a run without kvsdk)",
         f"mismatches              {r['mismatches']}",

@@ -41,5 +41,6 @@ def test_soak_with_faults_has_no_mismatch_and_no_leak(tmp_path: Path) -> None:
     assert r["leaks"] == 0
     assert r["host_bytes_used"] <= r["host_capacity_bytes"]
     assert r["hit_tokens"] > 0
+    assert r["preemptions"] > 0
     assert sum(r["faults"].values()) > 0 and r["faults"].get("caught_by_checks", 0) > 0
     assert proc.returncode == 0
