@@ -33,6 +33,17 @@ def _config_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_reference(args: argparse.Namespace) -> int:
+    from kvsdk.config_reference import reference_markdown
+
+    text = reference_markdown()
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        print(text, end="")
+    return 0
+
+
 def _plugins(args: argparse.Namespace) -> int:
     from kvsdk import plugins_manager
 
@@ -110,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     schema = cfg_sub.add_parser("schema", help="print the config's JSON Schema")
     schema.add_argument("-o", "--output")
     schema.set_defaults(func=_config_schema)
+    reference = cfg_sub.add_parser("reference", help="print the configuration reference (Markdown)")
+    reference.add_argument("-o", "--output")
+    reference.set_defaults(func=_config_reference)
 
     plugins = sub.add_parser("plugins", help="list installed plugins and the hooks they implement")
     plugins.add_argument("--json", action="store_true")

@@ -108,6 +108,7 @@ class MetricsConfig:
 @dataclass(frozen=True)
 class EventsConfig:
     enabled: bool = True
+    """Record events (drained by the engine adapter and published to event sinks)."""
     max_pending: int = 100_000
     """Oldest undrained events are dropped (and counted) beyond this."""
 
@@ -118,7 +119,9 @@ class KVSDKConfig:
     chunk_tokens: int = 256
     """Offload unit in tokens; must be a multiple of the engine's block size."""
     eviction: str = "lru"
+    """Eviction policy of the tiers that evict locally: ``lru``, ``arc`` or a plugin's."""
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    """When a chunk is worth storing."""
     transfer: str = "auto"
     """Transfer worker: ``auto`` picks ``cuda`` for CUDA tensors, else ``cpu``."""
     max_load_tokens: int | None = None
@@ -132,8 +135,11 @@ class KVSDKConfig:
     model_id: str | None = None
     """Overrides the model identity the adapter derives (e.g. a weights digest)."""
     io_threads: int = 4
+    """Threads that talk to the slower tiers (the scheduler never waits on them)."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Counters and histograms; an optional Prometheus endpoint."""
     events: EventsConfig = field(default_factory=EventsConfig)
+    """Stored / removed / cleared events for KV-aware routers."""
 
 
 DEFAULT_TIERS: tuple[dict[str, Any], ...] = ({"backend": "cpu", "capacity": "4GiB"},)
