@@ -1,7 +1,7 @@
 """Host-tier hit latency with a disk and a Redis tier behind it vs the host tier alone.
 
 The slower tiers must not tax hits: a lookup that hits host RAM, and the
-prepare/complete-load around it, never touch disk or the network. Goal: ≤ 1.1×.
+prepare/complete-load around it, never touch disk or the network. Goal: <= 1.1x.
 
     .venv/bin/python benchmarks/bench_tier_hit.py [--redis-url URL]
 
@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_redis import redis_server  # noqa: E402
+from bench_redis import redis_server
 
-from kvsdk.config import load_config  # noqa: E402
-from kvsdk.keys import GroupLayout, Namespace  # noqa: E402
-from kvsdk.store.factory import build_store  # noqa: E402
-from kvsdk.store.tiered import TieredStore  # noqa: E402
-from kvsdk.types import LookupResult  # noqa: E402
+from kvsdk.config import load_config
+from kvsdk.keys import GroupLayout, Namespace
+from kvsdk.store.factory import build_store
+from kvsdk.store.tiered import TieredStore
+from kvsdk.types import LookupResult
 
 CHUNK = 64 << 10
 N = 2048
