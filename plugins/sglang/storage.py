@@ -31,7 +31,8 @@ What SGLang asks, and what kvsdk does:
   region (MLA ``page_first``/``page_first_direct``) is read with the tier's
   ``get_into`` straight into host memory and written from it, no copy; a page
   of several regions (MHA: K and V, per layer for ``layer_first``) goes
-  through one reusable staging buffer per thread (one memcpy per region).
+  through one reusable staging buffer per thread: one vectorized row copy
+  per batch between it and the host pool.
 - ``batch_exists`` counts the leading stored pages with kvsdk's planner.
 - Reads walk the tiers in order; a page found in a lower tier is copied up to
   the tiers above it in the background. Writes go through to every tier; a
@@ -304,6 +305,94 @@ class _KnownKeys:
         self._keys.clear()
 
 
+class _Pages:
+    """Where a batch of pages lies in host memory, and how to copy them.
+
+    ``addrs[i]`` are page ``i``'s region addresses in address order (the page's
+    bytes are their concatenation). When every region has the same size and
+    lies on a row of ``pool_rows`` (the host pool's buffer viewed as rows of
+    that size, true for SGLang's MHA and MLA pools in every layout), a whole
+    batch is copied with one vectorized row copy; otherwise region by region.
+    """
+
+    def __init__(
+        self, addrs: np.ndarray, sizes: tuple[int, ...], pool: tuple[np.ndarray, int] | None
+    ) -> None:
+        self.addrs = addrs  # (n, r) int64
+        self.sizes = sizes
+        self.page_bytes = sum(sizes)
+        self.rows: np.ndarray | None = None
+        self.pool_rows: np.ndarray | None = None
+        if pool is not None and len(set(sizes)) == 1:
+            pool_rows, base = pool
+            row = sizes[0]
+            off = addrs - base
+            if (
+                pool_rows.shape[1] == row
+                and bool((off >= 0).all())
+                and bool((off % row == 0).all())
+                and bool((off // row < pool_rows.shape[0]).all())
+            ):
+                self.rows, self.pool_rows = off // row, pool_rows
+
+    def __len__(self) -> int:
+        return int(self.addrs.shape[0])
+
+    def subset(self, idx: Sequence[int]) -> _Pages:
+        out = _Pages.__new__(_Pages)
+        sel = np.asarray(idx, dtype=np.int64)
+        out.addrs, out.sizes, out.page_bytes = self.addrs[sel], self.sizes, self.page_bytes
+        out.rows = None if self.rows is None else self.rows[sel]
+        out.pool_rows = self.pool_rows
+        return out
+
+    def views(self) -> list[memoryview]:
+        """Each page as one writable view of host memory (one-region pages only)."""
+        assert self.addrs.shape[1] == 1
+        return [_host_view(int(a), self.page_bytes) for a in self.addrs[:, 0]]
+
+    def gather(self, dst: np.ndarray) -> None:
+        """Copy the pages, concatenated, into ``dst`` (uint8, ``len * page_bytes``)."""
+        n = len(self)
+        if self.rows is not None and self.pool_rows is not None:
+            out = dst[: n * self.page_bytes].reshape(-1, self.pool_rows.shape[1])
+            # torch's row gather measured ~3x numpy's take here
+            torch.index_select(
+                torch.from_numpy(self.pool_rows),
+                0,
+                torch.from_numpy(self.rows.reshape(-1)),
+                out=torch.from_numpy(out),
+            )
+            return
+        base = int(dst.ctypes.data)
+        for i in range(n):
+            _gather(base + i * self.page_bytes, self._regions(i))
+
+    def scatter(self, src: np.ndarray, which: Sequence[int]) -> None:
+        """Copy pages ``which`` from ``src`` (the batch's pages, concatenated) into place."""
+        if not which:
+            return
+        if self.rows is not None and self.pool_rows is not None:
+            row = self.pool_rows.shape[1]
+            data = src[: len(self) * self.page_bytes].reshape(len(self), -1, row)
+            if len(which) == len(self):  # the usual case: one copy for the batch
+                self.pool_rows[self.rows.reshape(-1)] = data.reshape(-1, row)
+            else:
+                for i in which:
+                    self.pool_rows[self.rows[i]] = data[i]
+            return
+        base = int(src.ctypes.data)
+        for i in which:
+            _scatter(base + i * self.page_bytes, self._regions(i))
+
+    def scatter_page(self, i: int, src: Any) -> None:
+        """Copy one page from a bytes-like object into place."""
+        _scatter(_address(src), self._regions(i))
+
+    def _regions(self, i: int) -> list[tuple[int, int]]:
+        return [(int(a), s) for a, s in zip(self.addrs[i], self.sizes)]
+
+
 # -- the backend --------------------------------------------------------------------------
 
 
@@ -360,6 +449,7 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         self._known: list[_KnownKeys] = []
         self._corrupt_seen: list[float] = []
         self._planner: LookupPlanner | None = None
+        self._pool_rows: tuple[np.ndarray, int] | None = None
         self._promoter: ThreadPoolExecutor | None = None
         self._promotions = 0
         self._sglang_stats: dict[str, list[float]] = {
@@ -383,6 +473,7 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         self._known = [_KnownKeys() for _ in self.tiers]
         self._corrupt_seen = [self._tier_counter(t, "corrupt") for t in range(len(self.tiers))]
         self._planner = LookupPlanner([KVGroupSpec(index=0, tokens_per_block=geom.page_tokens)])
+        self._pool_rows = _pool_rows(mem_pool_host, geom)
         if len(self.tiers) > 1:
             self._promoter = ThreadPoolExecutor(1, thread_name_prefix="kvsdk-sglang-promote")
         log.info(
@@ -421,10 +512,10 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             return out
         start = time.perf_counter()
         try:
-            regions = self._regions(host_indices, n)
+            pages = self._pages(host_indices, n)
             ckeys = self.chunk_keys(keys)
             self._annotate(ckeys, keys)
-            self._read(ckeys, regions, out)
+            self._read(ckeys, pages, out)
         except Exception as exc:  # never into SGLang: the pages are misses
             self._failure("get", exc)
             return [False] * n
@@ -447,10 +538,10 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             return [True] * n
         start = time.perf_counter()
         try:
-            regions = self._regions(host_indices, n)
+            pages = self._pages(host_indices, n)
             ckeys = self.chunk_keys(keys)
             self._annotate(ckeys, keys)
-            out = self._write_regions(ckeys, regions)
+            out = self._write_pages(ckeys, pages)
         except Exception as exc:
             self._failure("put", exc)
             return [False] * n
@@ -484,7 +575,8 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             ckeys = self.chunk_keys(keys)
             self._annotate(ckeys, keys)
             ok = [False] * n
-            self._read(ckeys, [[(_address(v), v.nbytes)] for v in views], ok, views=views)
+            addrs = np.asarray([[_address(v)] for v in views], dtype=np.int64)
+            self._read(ckeys, _Pages(addrs, (views[0].nbytes,), None), ok)
         except Exception as exc:
             self._failure("get", exc)
             return [None] * n
@@ -651,8 +743,8 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         self.tiers = ()
 
     # -- page regions ---------------------------------------------------------------------
-    def _regions(self, host_indices: torch.Tensor, n: int) -> list[list[tuple[int, int]]]:
-        """Per page, its ``(address, bytes)`` regions in address order."""
+    def _pages(self, host_indices: torch.Tensor, n: int) -> _Pages:
+        """Where ``n`` pages at ``host_indices`` lie in the host pool."""
         geom = self.geometry
         assert geom is not None
         if host_indices.numel() != n * geom.page_tokens:
@@ -663,14 +755,12 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         r = geom.regions
         if len(ptrs) != n * r:
             raise ValueError(f"{len(ptrs)} page regions for {n} pages of {r} regions")
-        pages = []
-        for p in range(n):
-            base = p * r
-            page = [(int(ptrs[base + i]), int(sizes[base + i])) for i in geom.order]
-            if tuple(s for _, s in page) != geom.region_sizes:
-                raise ValueError("page regions differ from the registered geometry")
-            pages.append(page)
-        return pages
+        order = list(geom.order)
+        got = np.asarray(sizes, dtype=np.int64).reshape(n, r)[:, order]
+        if not bool((got == np.asarray(geom.region_sizes, dtype=np.int64)).all()):
+            raise ValueError("page regions differ from the registered geometry")
+        addrs = np.asarray(ptrs, dtype=np.int64).reshape(n, r)[:, order]
+        return _Pages(addrs, geom.region_sizes, self._pool_rows)
 
     def _staging(self, nbytes: int) -> np.ndarray:
         buf: np.ndarray | None = getattr(self._local, "staging", None)
@@ -684,15 +774,8 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         return dummy
 
     # -- reads ----------------------------------------------------------------------------
-    def _read(
-        self,
-        ckeys: list[ChunkKey],
-        regions: list[list[tuple[int, int]]],
-        out: list[bool],
-        *,
-        views: list[memoryview] | None = None,
-    ) -> None:
-        """Fill ``out[i]`` for every page read (and verified) into its regions."""
+    def _read(self, ckeys: list[ChunkKey], pages: _Pages, out: list[bool]) -> None:
+        """Set ``out[i]`` for every page read (and verified) into place."""
         geom = self.geometry
         assert geom is not None
         todo = list(range(len(ckeys)))
@@ -701,59 +784,44 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
                 break
             hits: list[int] = []
             misses: list[int] = []
-            step = max(1, STAGING_BYTES // geom.page_bytes)
+            step = max(1, STAGING_BYTES // pages.page_bytes)
             for s in range(0, len(todo), step):
                 part = todo[s : s + step]
-                ok = self._read_tier(t, tier, [ckeys[i] for i in part],
-                                     [regions[i] for i in part],
-                                     [views[i] for i in part] if views is not None else None)  # fmt: skip
+                ok = self._read_tier(t, tier, [ckeys[i] for i in part], pages.subset(part))
                 for i, good in zip(part, ok):
                     (hits if good else misses).append(i)
             for i in hits:
                 out[i] = True
             if hits:
                 self.metrics.inc(
-                    "kvsdk_loaded_bytes_total", len(hits) * geom.page_bytes, tier=t + 1
+                    "kvsdk_loaded_bytes_total", len(hits) * pages.page_bytes, tier=t + 1
                 )
                 if t > 0:
-                    self._promote(t, [ckeys[i] for i in hits], [regions[i] for i in hits])
+                    self._promote(t, [ckeys[i] for i in hits], pages.subset(hits))
             if misses:
                 self._note_misses(t, [ckeys[i] for i in misses])
             todo = misses
         self._publish()
 
-    def _read_tier(
-        self,
-        t: int,
-        tier: Backend,
-        keys: list[ChunkKey],
-        regions: list[list[tuple[int, int]]],
-        views: list[memoryview] | None,
-    ) -> list[bool]:
-        geom = self.geometry
-        assert geom is not None
+    def _read_tier(self, t: int, tier: Backend, keys: list[ChunkKey], pages: _Pages) -> list[bool]:
         get_into = getattr(tier, "get_into", None)
         start = time.perf_counter()
         try:
-            if get_into is not None and (views is not None or geom.regions == 1):
-                # one region per page: straight into host memory
-                dst = views or [_host_view(*page[0]) for page in regions]
-                ok = [bool(x) for x in get_into(keys, dst)]
+            if get_into is not None and pages.addrs.shape[1] == 1:
+                # one region per page: straight into place, no copy
+                ok = [bool(x) for x in get_into(keys, pages.views())]
             elif get_into is not None:
-                staging = self._staging(len(keys) * geom.page_bytes)
-                pb = geom.page_bytes
+                pb = pages.page_bytes
+                staging = self._staging(len(keys) * pb)
                 outs = [staging[i * pb : (i + 1) * pb].data for i in range(len(keys))]
                 ok = [bool(x) for x in get_into(keys, outs)]
-                base = int(staging.ctypes.data)
-                for i, good in enumerate(ok):
-                    if good:
-                        _scatter(base + i * pb, regions[i])
+                pages.scatter(staging, [i for i, good in enumerate(ok) if good])
             else:
                 ok = []
-                for value, page in zip(tier.get(keys), regions):
-                    good = value is not None and memoryview(value).nbytes == geom.page_bytes
+                for i, value in enumerate(tier.get(keys)):
+                    good = value is not None and memoryview(value).nbytes == pages.page_bytes
                     if good:
-                        _scatter(_address(value), page)
+                        pages.scatter_page(i, value)
                     ok.append(good)
         except Exception as exc:
             self._tier_failure(t, "get", exc)
@@ -812,22 +880,16 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             return 0.0
 
     # -- writes ---------------------------------------------------------------------------
-    def _write_regions(
-        self, ckeys: list[ChunkKey], regions: list[list[tuple[int, int]]]
-    ) -> list[bool]:
-        geom = self.geometry
-        assert geom is not None
-        if geom.regions == 1:  # the page is one region: stored straight from host memory
-            return self._write_payloads(ckeys, [_host_view(*page[0]) for page in regions])
+    def _write_pages(self, ckeys: list[ChunkKey], pages: _Pages) -> list[bool]:
+        if pages.addrs.shape[1] == 1:  # one region per page: stored straight from host memory
+            return self._write_payloads(ckeys, pages.views())
         out: list[bool] = []
-        pb = geom.page_bytes
+        pb = pages.page_bytes
         step = max(1, STAGING_BYTES // pb)
         for s in range(0, len(ckeys), step):
-            part = regions[s : s + step]
+            part = pages.subset(range(s, min(s + step, len(ckeys))))
             staging = self._staging(len(part) * pb)
-            base = int(staging.ctypes.data)
-            for i, page in enumerate(part):
-                _gather(base + i * pb, page)
+            part.gather(staging)
             payloads = [staging[i * pb : (i + 1) * pb].data for i in range(len(part))]
             out += self._write_payloads(ckeys[s : s + step], payloads)
         return out
@@ -866,20 +928,17 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         self._publish()
         return stored
 
-    def _promote(self, t: int, keys: list[ChunkKey], regions: list[list[tuple[int, int]]]) -> None:
+    def _promote(self, t: int, keys: list[ChunkKey], pages: _Pages) -> None:
         """Copy pages found in tier ``t`` up to the tiers above it, in the background."""
-        geom = self.geometry
-        if self._promoter is None or geom is None:
+        if self._promoter is None:
             return
         with self._lock:
             if self._promotions >= MAX_PROMOTIONS_IN_FLIGHT:
                 return
             self._promotions += 1
-        pb = geom.page_bytes
+        pb = pages.page_bytes
         data = np.empty(len(keys) * pb, dtype=np.uint8)  # the host pages may be reused
-        base = int(data.ctypes.data)
-        for i, page in enumerate(regions):
-            _gather(base + i * pb, page)
+        pages.gather(data)
         payloads = [data[i * pb : (i + 1) * pb].data for i in range(len(keys))]
 
         def run() -> None:
@@ -940,6 +999,23 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         self._burst.warning(
             f"batch-{op}", "kvsdk storage: %s failed, treated as misses: %r", op, exc
         )
+
+
+def _pool_rows(host_pool: Any, geom: PageGeometry) -> tuple[np.ndarray, int] | None:
+    """The host pool's buffer as rows of one region each, with its address, when
+    every page region is one such row (for vectorized copies); else None."""
+    buf = getattr(host_pool, "kv_buffer", None)
+    row = geom.region_sizes[0]
+    if (
+        not isinstance(buf, torch.Tensor)
+        or buf.device.type != "cpu"
+        or not buf.is_contiguous()
+        or len(set(geom.region_sizes)) != 1
+        or (buf.numel() * buf.element_size()) % row
+    ):
+        return None
+    flat = buf.reshape(-1).view(torch.uint8).numpy()
+    return flat.reshape(-1, row), int(buf.data_ptr())
 
 
 def _scatter(src: int, page: list[tuple[int, int]]) -> None:
