@@ -150,6 +150,26 @@ def test_generic_path_and_v1_read_each_others_pages(
     assert loaded == 3 * v1.page and v1.pages(got, 3) == generic.pages(idx_b, 3)
 
 
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_region_by_region_copies_match_the_vectorized_ones(
+    make_rig: Any, tmp_path: Path, mla: bool
+) -> None:
+    rig = kvsdk_rig(make_rig, tmp_path, layout="layer_first", mla=mla)
+    storage = rig.storage
+    assert storage._pool_rows is not None  # SGLang's pools take the vectorized path
+    a, b = rig.hashes(tokens_for(3, rig.page, start=1)), rig.hashes(tokens_for(3, rig.page, 50))
+    idx_a, idx_b = rig.fill(3, seed=1), rig.fill(3, seed=2)
+    assert storage.batch_set_v1(a, idx_a) == [True] * 3  # vectorized gather
+    rows, storage._pool_rows = storage._pool_rows, None
+    assert storage.batch_set_v1(b, idx_b) == [True] * 3  # region by region
+    got = rig.pool.alloc(3 * rig.page)
+    assert storage.batch_get_v1(a, got) == [True] * 3  # region by region
+    assert rig.pages(got, 3) == rig.pages(idx_a, 3)
+    storage._pool_rows = rows
+    assert storage.batch_get_v1(b, got) == [True] * 3  # vectorized scatter
+    assert rig.pages(got, 3) == rig.pages(idx_b, 3)
+
+
 def test_base_hicache_controller(make_rig: Any, tmp_path: Path) -> None:
     rig = kvsdk_rig(make_rig, tmp_path, controller="base", layout="page_first_direct")
     assert type(rig.ctrl).__name__ == "HiCacheController"
