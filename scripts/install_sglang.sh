@@ -14,7 +14,8 @@
 #      schemas before torchvision is imported: PyPI's torchvision cannot load
 #      its C ops beside the CPU torch, and SGLang imports it at import time.
 #
-# Idempotent: a second run checks the imports and installs nothing new.
+# Idempotent: a second run checks the imports and installs nothing new (until
+# pyproject.toml, scripts/constraints.txt or this script change).
 #
 # Usage: scripts/install_sglang.sh                 (venv at <repo>/.venv-sglang)
 #        VENV=/path/to/venv scripts/install_sglang.sh
@@ -63,7 +64,10 @@ check() {
     (cd / && "${PY}" -c "${CHECK_IMPORTS}" 2>/dev/null) || true
 }
 
-if [[ -x "${PY}" ]] && [[ "$(check)" == "${SGLANG_VERSION}" ]]; then
+# A change to kvsdk's dependencies, the constraints or this script re-runs the installs.
+stamp="${VENV}/.kvsdk-sglang-$(cat "${REPO_ROOT}/pyproject.toml" "${CONSTRAINTS}" "${BASH_SOURCE[0]}" \
+    | sha256sum | cut -c1-16)"
+if [[ -x "${PY}" && -f "${stamp}" ]] && [[ "$(check)" == "${SGLANG_VERSION}" ]]; then
     echo "install_sglang: sglang ${SGLANG_VERSION} already usable in ${VENV}; nothing to do"
     exit 0
 fi
@@ -146,4 +150,6 @@ if [[ "${current}" != "${SGLANG_VERSION}" ]]; then
     (cd / && "${PY}" -c "${CHECK_IMPORTS}") || true
     exit 1
 fi
+rm -f "${VENV}"/.kvsdk-sglang-*
+touch "${stamp}"
 echo "install_sglang: sglang ${current} ready in ${VENV} ($(( $(date +%s) - start )) s)"
