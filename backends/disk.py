@@ -55,6 +55,7 @@ from kvsdk.chunk_format import (
     as_payload,
     decode_chunk,
     encode_header,
+    parse_header,
     verify_chunk,
 )
 from kvsdk.config import BYTES
@@ -481,6 +482,44 @@ class DiskBackend(Backend):
     def _count_n(self, name: str, n: int) -> None:
         with self._lock:
             self._counters[name] += n
+
+    @classmethod
+    def inventory(cls, options: Any) -> list[dict[str, Any]]:
+        root = os.path.abspath(options.path)
+        out: list[dict[str, Any]] = []
+        try:
+            namespaces = sorted(
+                (e for e in os.scandir(root) if e.is_dir(follow_symlinks=False)),
+                key=lambda e: e.name,
+            )
+        except OSError:
+            return out
+        for ns in namespaces:
+            entries = size = 0
+            sample: str | None = None
+            for dirpath, _dirs, files in os.walk(ns.path):
+                for name in files:
+                    if name.startswith("."):
+                        continue  # temp files of writes in progress
+                    path = os.path.join(dirpath, name)
+                    try:
+                        size += os.stat(path).st_size
+                    except OSError:
+                        continue
+                    entries += 1
+                    sample = sample or path
+            row: dict[str, Any] = {"namespace": ns.name, "entries": entries, "bytes": size}
+            if sample is not None:
+                try:
+                    with open(sample, "rb") as fh:
+                        size_on_disk = os.fstat(fh.fileno()).st_size
+                        h = parse_header(fh.read(HEADER_SIZE), size_on_disk - HEADER_SIZE)
+                    row["format_version"] = h.version
+                    row["dtype"], row["shape"] = h.dtype, list(h.shape)
+                except (OSError, CorruptChunk) as exc:
+                    row["sample_error"] = str(exc)
+            out.append(row)
+        return out
 
     def __repr__(self) -> str:
         return f"DiskBackend({self._root!r}, capacity={self.options.capacity})"

@@ -494,6 +494,37 @@ class RedisBackend(Backend):
             out["breakers_open"] = float(sum(b.is_open for b in self._breakers.values()))
         return out
 
+    @classmethod
+    def inventory(cls, options: Any) -> list[dict[str, Any]]:
+        """Entries and bytes per namespace (a SCAN of ``kvsdk:*``; STRLEN per key)."""
+        client: Any = (
+            RedisCluster.from_url(options.url)
+            if options.cluster
+            else redis_py.Redis.from_url(
+                options.url, password=options.password, username=options.username
+            )
+        )
+        per_ns: dict[str, list[int]] = {}
+        try:
+            pipe_keys: list[bytes] = []
+            for rkey in client.scan_iter(match=b"kvsdk:*", count=1000):
+                pipe_keys.append(rkey)
+            for i in range(0, len(pipe_keys), 500):
+                batch = pipe_keys[i : i + 500]
+                pipe = client.pipeline(transaction=False)
+                for rkey in batch:
+                    pipe.strlen(rkey)
+                for rkey, n in zip(batch, pipe.execute(), strict=True):
+                    ns = rkey.split(b":")[1].decode()
+                    row = per_ns.setdefault(ns, [0, 0])
+                    row[0] += 1
+                    row[1] += int(n)
+        finally:
+            client.close()
+        return [
+            {"namespace": ns, "entries": e, "bytes": b} for ns, (e, b) in sorted(per_ns.items())
+        ]
+
     def close(self) -> None:
         try:
             if self._client is not None:

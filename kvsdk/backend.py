@@ -99,6 +99,13 @@ class Backend(ABC):
         """All stored keys (only when ``supports_listing``)."""
         raise NotImplementedError(f"{type(self).__name__} cannot list its keys")
 
+    @classmethod
+    def inventory(cls, options: Any) -> list[dict[str, Any]]:
+        """What a tier configured with ``options`` holds, per namespace, without
+        knowing the namespace (``kvsdk inspect``): ``[{"namespace": hex,
+        "entries": n, "bytes": b, ...}]``. Empty for process-local tiers."""
+        return []
+
 
 class HostTier(Backend):
     """A host-memory tier with addressable slots (one chunk per slot).

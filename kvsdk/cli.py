@@ -44,6 +44,51 @@ def _config_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from kvsdk import plugins_manager
+
+    try:
+        cfg = load_config(Path(args.config))
+    except ConfigError as exc:
+        print(f"{args.config}: {exc}", file=sys.stderr)
+        return 2
+    backends = plugins_manager.backends()
+    report = []
+    for i, tier in enumerate(cfg.tiers):
+        cls = backends[tier.backend]
+        try:
+            rows = cls.inventory(tier.options)
+            error = None
+        except Exception as exc:  # an unreachable tier is reported, not raised
+            rows, error = [], f"{type(exc).__name__}: {exc}"
+        report.append(
+            {
+                "tier": i,
+                "backend": tier.backend,
+                "medium": cls.medium.value,
+                "locality": cls.locality.value,
+                "namespaces": rows,
+                "error": error,
+            }
+        )
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for t in report:
+        print(f"tier {t['tier']}: {t['backend']} ({t['medium']}, {t['locality']})")
+        if t["error"]:
+            print(f"  unreachable: {t['error']}")
+        elif not t["namespaces"]:
+            print("  nothing to inspect from outside (process-local) or empty")
+        for row in t["namespaces"]:
+            extra = {k: v for k, v in row.items() if k not in ("namespace", "entries", "bytes")}
+            print(
+                f"  namespace {row['namespace']}: {row['entries']} chunks, "
+                f"{row['bytes'] / 2**20:.1f} MiB {extra if extra else ''}".rstrip()
+            )
+    return 0
+
+
 def _plugins(args: argparse.Namespace) -> int:
     from kvsdk import plugins_manager
 
@@ -124,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     reference = cfg_sub.add_parser("reference", help="print the configuration reference (Markdown)")
     reference.add_argument("-o", "--output")
     reference.set_defaults(func=_config_reference)
+
+    inspect_p = sub.add_parser("inspect", help="what each tier of a config holds, per namespace")
+    inspect_p.add_argument("config")
+    inspect_p.add_argument("--json", action="store_true")
+    inspect_p.set_defaults(func=_inspect)
 
     plugins = sub.add_parser("plugins", help="list installed plugins and the hooks they implement")
     plugins.add_argument("--json", action="store_true")
