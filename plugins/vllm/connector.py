@@ -24,11 +24,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
 from kvsdk import plugins_manager
 from kvsdk.events import EventKind
+from kvsdk.metrics import COUNTERS
 from kvsdk.plugins.vllm.layout import EngineLayout, engine_layout
 from kvsdk.scheduler import OffloadScheduler, WorkerResult
 from kvsdk.slab import host_slab
@@ -100,6 +106,36 @@ class KVSDKConnectorStats(KVConnectorStats):
         return not self.data
 
 
+class KVSDKPromMetrics(KVConnectorPromMetrics):
+    """kvsdk's counters on vLLM's own Prometheus endpoint (``vllm:kvsdk_*``),
+    labelled with vLLM's engine labels plus ``detail`` (e.g. ``tier=1``)."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._counter_cls(
+                name=f"vllm:{name.removesuffix('_total')}",
+                documentation=doc,
+                labelnames=[*labelnames, "detail"],
+            )
+            for name, doc in COUNTERS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        engine = self.per_engine_labelvalues.get(engine_idx, [])
+        for key, value in transfer_stats_data.items():
+            name, _, rest = key.partition("{")
+            counter = self._counters.get(name)
+            if counter is not None and value > 0:
+                counter.labels(*engine, rest.rstrip("}")).inc(value)  # type: ignore[union-attr]
+
+
 class KVSDKConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -166,6 +202,16 @@ class KVSDKConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sched is None:
             return None
         return self._sched.stats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KVSDKPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def build_kv_connector_stats(

@@ -38,6 +38,7 @@ def make_llm(
     transfer: str | None = None,
     overrides: dict[str, Any] | None = None,
     kv_events: dict[str, Any] | None = None,
+    log_stats: bool = False,
 ) -> Any:
     from vllm import LLM
 
@@ -52,6 +53,8 @@ def make_llm(
     if module_path:
         ktc["kv_connector_module_path"] = "kvsdk.plugins.vllm"
     extra: dict[str, Any] = {"kv_events_config": kv_events} if kv_events else {}
+    if log_stats:
+        extra["disable_log_stats"] = False
     return LLM(
         **extra,
         model=model,
@@ -200,6 +203,18 @@ def main() -> None:
                     }
                 )
         res["events"] = events
+    elif scenario == "prometheus":
+        import prometheus_client
+
+        llm = make_llm(model, log_stats=True)
+        res["cold"] = generate(llm, P)
+        llm.reset_prefix_cache()
+        res["kvsdk"] = generate(llm, P)
+        res["metrics"] = [
+            line
+            for line in prometheus_client.generate_latest().decode().splitlines()
+            if line.startswith("vllm:kvsdk_")
+        ]
     elif scenario == "module_path":
         llm = make_llm(model, module_path=True)
         res["cold"] = generate(llm, P)

@@ -141,3 +141,15 @@ def test_kv_events_reach_a_zmq_subscriber_in_vllms_own_format(
     theirs = {h for e in gpu_stored for h in e["hashes"]}
     assert len(ours) == 6 and ours <= theirs
     assert any(e["type"] == "AllBlocksCleared" for e in r["events"])
+
+
+def test_kvsdk_counters_are_on_vllms_own_prometheus_registry(
+    model_dir: str, tmp_path: Path
+) -> None:
+    r = run("prometheus", model_dir, tmp_path)
+    assert r["kvsdk"]["cached"] == 192
+    lines = r["metrics"]
+    hits = [ln for ln in lines if ln.startswith("vllm:kvsdk_hit_tokens_total{")]
+    assert hits and float(hits[0].rsplit(" ", 1)[1]) >= 192
+    assert any(ln.startswith('vllm:kvsdk_stored_bytes_total{detail="tier=0"') for ln in lines)
+    assert any(ln.startswith('vllm:kvsdk_lookup_hits_total{detail="tier=0"') for ln in lines)
