@@ -150,11 +150,15 @@ def test_generic_path_and_v1_read_each_others_pages(
     assert loaded == 3 * v1.page and v1.pages(got, 3) == generic.pages(idx_b, 3)
 
 
-@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize(
+    "geometry",
+    [{}, {"mla": True}, {"heads": 8, "head_dim": 128, "page": 16, "layers": 2}],
+    ids=["mha", "mla", "mha-32KiB-regions"],
+)
 def test_region_by_region_copies_match_the_vectorized_ones(
-    make_rig: Any, tmp_path: Path, mla: bool
+    make_rig: Any, tmp_path: Path, geometry: dict[str, Any]
 ) -> None:
-    rig = kvsdk_rig(make_rig, tmp_path, layout="layer_first", mla=mla)
+    rig = kvsdk_rig(make_rig, tmp_path, layout="layer_first", **geometry)
     storage = rig.storage
     assert storage._pool_rows is not None  # SGLang's pools take the vectorized path
     a, b = rig.hashes(tokens_for(3, rig.page, start=1)), rig.hashes(tokens_for(3, rig.page, 50))
