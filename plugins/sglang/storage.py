@@ -466,6 +466,9 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
     # -- set-up ------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """SGLang hands over its host pool: learn the page geometry, build the tiers."""
+        anchor = getattr(mem_pool_host, "anchor_entry", None)  # a HostPoolGroup: its KV pool
+        if anchor is not None:
+            mem_pool_host = anchor.host_pool
         geom = page_geometry(mem_pool_host)
         namespace = storage_namespace(self.storage_config, self.config, mem_pool_host, geom)
         self.mem_pool_host = mem_pool_host

@@ -332,8 +332,8 @@ def test_mla_pages_are_shared_by_ranks_and_written_by_one(make_rig: Any, tmp_pat
         for r in (0, 1)
     ]
     try:
-        for s in ranks:
-            s.register_mem_pool_host(rig.host)
+        ranks[0].register_mem_pool_host(rig.host)
+        ranks[1].register_mem_pool_host(rig.pool)  # a HostPoolGroup: its KV pool is used
         assert ranks[0].namespace == ranks[1].namespace  # rank-replicated KV: one copy
         assert [s.is_writer for s in ranks] == [True, False]
         hashes = rig.hashes(tokens_for(2, rig.page))
