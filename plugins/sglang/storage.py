@@ -439,7 +439,13 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
                 if port in _EXPORTERS:
                     self.metrics = _EXPORTERS[port]
                 else:
-                    start_prometheus_exporter(self.metrics, port)
+                    try:
+                        start_prometheus_exporter(self.metrics, port)
+                    except OSError as exc:
+                        raise ConfigError(
+                            f"metrics.prometheus_port: cannot serve on port {port} "
+                            f"(the configured port + TP rank): {exc.strerror or exc}"
+                        ) from None
                     _EXPORTERS[port] = self.metrics
         self.events = EventTracker(
             enabled=self.config.events.enabled, max_pending=self.config.events.max_pending
