@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -390,8 +391,10 @@ def test_clear_drops_every_page_and_reports_it(make_rig: Any, tmp_path: Path) ->
     assert any(e.kind is EventKind.CLEARED for e in rig.storage.take_events())
 
 
-def test_sglang_storage_metrics(make_rig: Any, tmp_path: Path) -> None:
-    rig = kvsdk_rig(make_rig, tmp_path)
+def test_sglang_storage_metrics_and_prometheus(make_rig: Any, tmp_path: Path) -> None:
+    port = free_port()
+    config = {**disk_config(tmp_path), "metrics": {"prometheus_port": port}}
+    rig = kvsdk_rig(make_rig, tmp_path, config=config)
     rig.storage.storage_config.enable_storage_metrics = True
     tokens = tokens_for(3, rig.page)
     assert rig.backup(rig.fill(3), tokens) == 3 * rig.page
@@ -402,3 +405,6 @@ def test_sglang_storage_metrics(make_rig: Any, tmp_path: Path) -> None:
     assert rig.storage.get_stats().backup_pgs == []  # drained
     kv = rig.storage.kvsdk_stats()
     assert kv["tiers"]["1:DiskBackend"]["puts"] == 3
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    assert 'kvsdk_stored_bytes_total{tier="1"}' in text
