@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import pytest
 import yaml
-from redis_server import REDIS_SERVER, RedisServer
+from redis_server import REDIS_SERVER, RedisServer, missing_tool
 
 from kvsdk.backend import Buffer
 from kvsdk.backends.disk import DiskBackend
@@ -143,7 +143,7 @@ CHAINS = {"cpu-disk": ["disk"], "cpu-redis": ["redis"], "cpu-disk-redis": ["disk
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     if REDIS_SERVER is None:
-        pytest.skip("redis-server not installed (apt-get install redis-server)")
+        missing_tool("redis-server not installed (apt-get install redis-server)")
     server = RedisServer(tmp_path / "redis").start()
     try:
         yield server
