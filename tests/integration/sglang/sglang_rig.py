@@ -34,6 +34,7 @@ HERE = Path(__file__).resolve()
 TIMEOUT_S = 30.0
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+HOST_BUDGET_BYTES = 8 << 30
 
 
 def set_parallel(tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -108,7 +109,12 @@ class Rig:
         self.allocator = TokenToKVPoolAllocator(
             size=self.device_tokens, dtype=dtype, device="cpu", kvcache=self.kv, need_sort=False
         )
-        self.host = self._host_pool()
+        from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+        # SGLang refuses a host pool unless 10 GiB more than it asks for is free on
+        # the machine; these pools are small, so book them against a fixed budget.
+        with host_memory_budget_scope(HOST_BUDGET_BYTES):
+            self.host = self._host_pool()
         if self.file_dir is not None:  # SGLang's file backend reads its directory from here
             os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = self.file_dir
         extra = dict(self.extra_config or {})
