@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from kvsdk.backends.disk import DiskBackend, DiskOptions
 
 from kvsdk.backend import TierContext
+from kvsdk.backends.disk import DiskBackend, DiskOptions
 from kvsdk.chunk_format import DEFAULT_CHECKSUM
 
 NS = hashlib.blake2b(b"bench", digest_size=16).digest()

@@ -12,7 +12,12 @@ from kvsdk.config import ConfigError, dump_json_schema, load_config
 
 def _config_check(args: argparse.Namespace) -> int:
     try:
-        cfg = load_config(Path(args.file))
+        if args.engine == "sglang":  # SGLang brings its own host tier
+            from kvsdk.plugins.sglang.config import load_storage_config
+
+            cfg, _ = load_storage_config(Path(args.file))
+        else:
+            cfg = load_config(Path(args.file))
     except ConfigError as exc:
         print(f"{args.file}: {exc}", file=sys.stderr)
         return 2
@@ -162,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
     check = cfg_sub.add_parser("check", help="validate a YAML config file")
     check.add_argument("file")
+    check.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
+                       help="sglang: the tiers are HiCache's storage level (no host tier needed)")
     check.set_defaults(func=_config_check)
     schema = cfg_sub.add_parser("schema", help="print the config's JSON Schema")
     schema.add_argument("-o", "--output")

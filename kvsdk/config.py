@@ -260,8 +260,8 @@ def build_tier_config(item: Any, path: str) -> TierConfig:
     return _build_tier(item, path, plugins_manager.backends())
 
 
-def load_config(source: str | Path | Mapping[str, Any] | None) -> KVSDKConfig:
-    """Build the config from a YAML path, a YAML string, a mapping, or None (defaults)."""
+def read_config_source(source: str | Path | Mapping[str, Any] | None) -> dict[str, Any]:
+    """The raw mapping of a YAML path, a YAML string, a mapping, or None (empty)."""
     data: Any
     if source is None:
         data = {}
@@ -287,6 +287,18 @@ def load_config(source: str | Path | Mapping[str, Any] | None) -> KVSDKConfig:
             data = {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"config: got {data!r}; expected a mapping at the top level")
+    return dict(data)
+
+
+def load_config(
+    source: str | Path | Mapping[str, Any] | None, *, require_host_tier: bool = True
+) -> KVSDKConfig:
+    """Build the config from a YAML path, a YAML string, a mapping, or None (defaults).
+
+    ``require_host_tier=False`` is for engines that bring their own host tier
+    (SGLang's HiCache host pool): then the tiers may start below host memory.
+    """
+    data = read_config_source(source)
     backends = plugins_manager.backends()
     raw_tiers = data.get("tiers", list(DEFAULT_TIERS))
     if not isinstance(raw_tiers, list) or not raw_tiers:
@@ -294,7 +306,7 @@ def load_config(source: str | Path | Mapping[str, Any] | None) -> KVSDKConfig:
     tiers = tuple(_build_tier(t, f"tiers[{i}]", backends) for i, t in enumerate(raw_tiers))
     cfg: KVSDKConfig = _build(KVSDKConfig, data, "", skip=("tiers", "tenant_quotas"))
     cfg = dataclasses.replace(cfg, tiers=tiers, tenant_quotas=_tenant_quotas(data))
-    _check(cfg, backends)
+    _check(cfg, backends, require_host_tier=require_host_tier)
     return cfg
 
 
@@ -315,7 +327,9 @@ def _tenant_quotas(data: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
     return tuple(out)
 
 
-def _check(cfg: KVSDKConfig, backends: Mapping[str, type]) -> None:
+def _check(
+    cfg: KVSDKConfig, backends: Mapping[str, type], *, require_host_tier: bool = True
+) -> None:
     from kvsdk.backend import HostTier
 
     if cfg.chunk_tokens <= 0:
@@ -328,7 +342,7 @@ def _check(cfg: KVSDKConfig, backends: Mapping[str, type]) -> None:
     workers = ["auto", *plugins_manager.transfer_workers()]
     if cfg.transfer not in workers:
         raise ConfigError(f"transfer: got {cfg.transfer!r}; expected one of: {', '.join(workers)}")
-    if not issubclass(backends[cfg.tiers[0].backend], HostTier):
+    if require_host_tier and not issubclass(backends[cfg.tiers[0].backend], HostTier):
         hosts = sorted(n for n, b in backends.items() if issubclass(b, HostTier))
         raise ConfigError(
             f"tiers[0].backend: got {cfg.tiers[0].backend!r}; the first tier must be a "

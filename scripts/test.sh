@@ -6,16 +6,24 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 want=""
 if compgen -G "tests/integration/vllm/test_*.py" >/dev/null; then want=vllm; fi
 scripts/setup.sh $want
+scripts/install_sglang.sh   # separate venv: SGLang's pins clash with vLLM's
 V=.venv/bin
-echo "== ruff";  $V/ruff check kvsdk backends plugins tests
+echo "== ruff";  $V/ruff check kvsdk backends plugins tests benchmarks
 echo "== mypy";  $V/mypy
 echo "== pytest"
 set +e
-$V/python -m pytest -q -p no:cacheprovider "$@"
+$V/python -m pytest -q -p no:cacheprovider --ignore=tests/integration/sglang "$@"
 rc=$?
+rc_sgl=0
+if [[ $# -eq 0 ]]; then
+    echo "== pytest (SGLang adapter, .venv-sglang)"
+    .venv-sglang/bin/python -m pytest -q -p no:cacheprovider tests/integration/sglang
+    rc_sgl=$?
+fi
 set -e
-if [[ $rc -eq 5 ]]; then
+if [[ $rc -eq 5 || $rc_sgl -eq 5 ]]; then
     echo "pytest collected no tests: that is a failure for this project" >&2
     exit 1
 fi
-exit $rc
+(( rc != 0 )) && exit $rc
+exit $rc_sgl

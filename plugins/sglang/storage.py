@@ -58,19 +58,16 @@ import contextlib
 import ctypes
 import logging
 import os
-import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import yaml
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -79,15 +76,15 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvsdk import config as kvsdk_config
 from kvsdk import plugins_manager
-from kvsdk.backend import Backend, HostTier
+from kvsdk.backend import Backend
 from kvsdk.burst_log import BurstLog
-from kvsdk.config import ConfigError, KVSDKConfig, load_config
+from kvsdk.config import ConfigError, KVSDKConfig
 from kvsdk.events import EventKind, EventTracker, KVEvent
 from kvsdk.keys import GroupLayout, Namespace, chunk_key
 from kvsdk.metrics import Metrics, start_prometheus_exporter
 from kvsdk.planner import LookupPlanner, PlanRequest
+from kvsdk.plugins.sglang.config import load_storage_config
 from kvsdk.store.factory import build_tiers
 from kvsdk.types import ChunkKey, KVGroupSpec, LookupResult
 
@@ -105,81 +102,9 @@ SMALL_ROW_BYTES = 16 << 10
 
 _EXPORTERS: dict[int, Metrics] = {}
 _EXPORTERS_LOCK = threading.Lock()
-_TIER_INDEX = re.compile(r"tiers\[(\d+)\]")
 
 
 # -- configuration ------------------------------------------------------------------------
-
-
-def _raw_config(source: Any) -> dict[str, Any]:
-    """The config as a mapping, from a mapping, a YAML path or YAML text."""
-    if isinstance(source, Mapping):
-        return dict(source)
-    if isinstance(source, Path | str):
-        text = str(source)
-        if isinstance(source, Path) or (
-            "\n" not in text and (Path(text).suffix in (".yaml", ".yml") or Path(text).is_file())
-        ):
-            path = Path(text)
-            if not path.is_file():
-                raise ConfigError(f"config: file {str(path)!r} not found")
-            text = path.read_text()
-        # kvsdk's own loader when it has one (it refuses duplicate keys)
-        loader = getattr(kvsdk_config, "_UniqueKeyLoader", yaml.SafeLoader)
-        try:
-            data = yaml.load(text, Loader=loader)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise ConfigError(f"config: invalid YAML{where}: {problem}") from None
-        if data is None:
-            return {}
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"config: got {data!r}; expected a mapping at the top level")
-        return dict(data)
-    raise ConfigError(f"config: got {source!r}; expected a YAML path or a mapping")
-
-
-def load_storage_config(source: Any) -> tuple[KVSDKConfig, tuple[Any, ...]]:
-    """kvsdk's config for SGLang's storage level: ``(config, storage_tiers)``.
-
-    The tiers below host memory are the storage level. A config may list
-    them alone (``tiers: [{backend: disk, ...}]``) or after a ``cpu`` tier,
-    which is skipped (SGLang's own host pool is the host tier).
-    """
-    data = _raw_config(source)
-    backends = plugins_manager.backends()
-    tiers = data.get("tiers")
-    placeholder = False
-    if isinstance(tiers, list) and tiers and isinstance(tiers[0], Mapping):
-        first = backends.get(str(tiers[0].get("backend")))
-        if first is not None and not issubclass(first, HostTier):
-            # kvsdk's schema wants a host tier first; SGLang brings its own.
-            data["tiers"] = [{"backend": "cpu", "capacity": 1}, *tiers]
-            placeholder = True
-    try:
-        config = load_config(data)
-    except ConfigError as exc:
-        if not placeholder:
-            raise
-        msg = _TIER_INDEX.sub(lambda m: f"tiers[{int(m.group(1)) - 1}]", str(exc))
-        raise ConfigError(msg) from None
-    lower = config.tiers[1:]
-    if not lower:
-        raise ConfigError(
-            "tiers: SGLang keeps its own host-memory tier (--hicache-ratio / --hicache-size), "
-            "so kvsdk's config for SGLang needs at least one storage tier below it, "
-            "e.g. tiers: [{backend: disk, path: /var/cache/kvsdk}] or a redis tier"
-        )
-    for i, tier in enumerate(lower):
-        if issubclass(backends[tier.backend], HostTier):
-            where = i if placeholder else i + 1
-            raise ConfigError(
-                f"tiers[{where}].backend: got {tier.backend!r}; SGLang's host pool is the "
-                "host-memory tier, the storage level takes disk or remote tiers only"
-            )
-    return config, lower
 
 
 # -- small helpers ------------------------------------------------------------------------
