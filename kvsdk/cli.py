@@ -159,6 +159,38 @@ def _bench_faults(args: argparse.Namespace) -> int:
     return 0 if result["mismatches"] == 0 and result["leaks"] == 0 else 1
 
 
+def _bench_serve(args: argparse.Namespace) -> int:
+    try:
+        from kvsdk.plugins.vllm import bench_serve
+        from kvsdk.plugins.vllm.tiny_model import make_tiny_llama
+    except ImportError as exc:
+        print(f"kvsdk bench serve needs vLLM: {exc}", file=sys.stderr)
+        return 2
+    model = str(
+        make_tiny_llama(
+            args.model_dir,
+            seed=0,
+            hidden_size=512,
+            num_layers=8,
+            num_heads=8,
+            num_kv_heads=4,
+            max_position_embeddings=8192,
+        )
+    )
+    result = bench_serve.run_bench(
+        model,
+        Path(args.out),
+        reuses=sorted(args.reuse),
+        users=args.users,
+        rounds=args.rounds,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    print(bench_serve.format_report(result))
+    print(f"\nJSON: {args.out}  plot: {Path(args.out).with_suffix('.png')}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvsdk", description="KV-cache offloading for LLM engines")
     sub = p.add_subparsers(dest="command", required=True)
@@ -167,8 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
     check = cfg_sub.add_parser("check", help="validate a YAML config file")
     check.add_argument("file")
-    check.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
-                       help="sglang: the tiers are HiCache's storage level (no host tier needed)")
+    check.add_argument(
+        "--engine",
+        choices=["vllm", "sglang"],
+        default="vllm",
+        help="sglang: the tiers are HiCache's storage level (no host tier needed)",
+    )
     check.set_defaults(func=_config_check)
     schema = cfg_sub.add_parser("schema", help="print the config's JSON Schema")
     schema.add_argument("-o", "--output")
@@ -211,6 +247,17 @@ def build_parser() -> argparse.ArgumentParser:
     faults.add_argument("--model-dir", default="out/models/soak-llama")
     faults.add_argument("--no-progress", action="store_true")
     faults.set_defaults(func=_bench_faults)
+    serve = bench_sub.add_parser(
+        "serve", help="multi-round chat on real vLLM: no connector vs kvsdk vs native offloading"
+    )
+    serve.add_argument("--reuse", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 0.9])
+    serve.add_argument("--users", type=int, default=4)
+    serve.add_argument("--rounds", type=int, default=4)
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--out", default="out/bench_serve.json")
+    serve.add_argument("--model-dir", default="out/models/serve-llama")
+    serve.add_argument("--no-progress", action="store_true")
+    serve.set_defaults(func=_bench_serve)
     return p
 
 
