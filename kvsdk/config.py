@@ -129,9 +129,12 @@ class KVSDKConfig:
     tenant: str = ""
     """Salt mixed into the namespace: tenants never share chunks."""
     tenant_quotas: tuple[tuple[str, float], ...] = ()
-    """Share of the host tier each request tenant may hold (vLLM: the request's
-    ``cache_salt``; ``""`` for unsalted requests; ``"*"`` for any tenant not listed),
-    e.g. ``{"*": 0.5, "acme": 0.25}``. Unlisted tenants without ``"*"``: no limit."""
+    """Share of each tier a request tenant may hold (vLLM: the request's ``cache_salt``;
+    ``""`` for unsalted requests; ``"*"`` for any tenant not listed), e.g.
+    ``{"*": 0.5, "acme": 0.25}``. Over its share, a tenant's own oldest chunks go
+    first. Slower tiers count what this instance wrote against their byte
+    capacity (tiers without one, like Redis, are not shared out). Unlisted
+    tenants without ``"*"``: no limit."""
     model_id: str | None = None
     """Overrides the model identity the adapter derives (e.g. a weights digest)."""
     io_threads: int = 4

@@ -102,6 +102,9 @@ class TieredStore:
         self._clearing = False
         """A reset's clear of the slower tiers is in flight: they are not asked."""
         self._corrupt_seen = [0.0] * len(self.tiers)
+        self._store_tenant: dict[ChunkKey, str] = {}
+        self._lower_owned: dict[tuple[int, str], OrderedDict[ChunkKey, None]] = {}
+        self._lower_capacity: dict[int, int] = {}
         self._hits = self._misses = self._deferred = 0  # flushed to metrics by step()
         self._pool = (
             ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvsdk-io")
@@ -181,10 +184,13 @@ class TieredStore:
             self._record(EventKind.REMOVED, evicted, 0)
         for key in new:
             self._remote.pop(key, None)
+            if self.tenant_quotas:
+                self._store_tenant[key] = tenant
         return StorePlan(tuple(new), tuple(slots))
 
     def complete_store(self, keys: Sequence[ChunkKey], ok: bool = True) -> None:
         self.host.commit(keys, ok)
+        tenants = [self._store_tenant.pop(k, "") for k in keys] if self._store_tenant else []
         if not ok:
             return
         stored = [k for k in keys if self.host.slot_of(k) is not None]
@@ -193,7 +199,12 @@ class TieredStore:
         self.metrics.inc("kvsdk_stored_bytes_total", len(stored) * self._slot_bytes, tier=0)
         self._record(EventKind.STORED, stored, 0)
         if self.lower:
-            self._write_through(stored)
+            if tenants:
+                of = dict(zip(keys, tenants, strict=True))
+                for tenant in set(tenants):
+                    self._write_through([k for k in stored if of[k] == tenant], tenant)
+            else:
+                self._write_through(stored)
 
     def discard(self, keys: Sequence[ChunkKey]) -> None:
         """Drop host entries that must not be served again (e.g. a load from them failed)."""
@@ -228,6 +239,29 @@ class TieredStore:
         if self._deferred:
             self.metrics.inc("kvsdk_lookup_deferred_total", self._deferred)
         self._hits = self._misses = self._deferred = 0
+
+    def _charge_lower(self, t: int, tenant: str, keys: list[ChunkKey]) -> None:
+        """A tenant over its share of slower tier ``t`` loses its own oldest chunks there
+        (shares count what this instance wrote; the tier's capacity from its stats)."""
+        share = self.tenant_quotas.get(tenant, self.tenant_quotas.get("*"))
+        if share is None:
+            return
+        if t not in self._lower_capacity:
+            cap = self.tiers[t].stats().get("capacity_bytes", 0.0)
+            # entries, allowing for each entry's frame and file overhead
+            self._lower_capacity[t] = int(cap // (self._slot_bytes + 256)) if cap else 0
+        capacity = self._lower_capacity[t]
+        if not capacity:
+            return  # a tier without a byte capacity (e.g. Redis): nothing to share
+        owned = self._lower_owned.setdefault((t, tenant), OrderedDict())
+        for k in keys:
+            owned[k] = None
+            owned.move_to_end(k)
+        excess = len(owned) - max(1, int(share * capacity))
+        if excess > 0:
+            victims = [owned.popitem(last=False)[0] for _ in range(excess)]
+            self._submit("delete", victims, self.tiers[t].delete, victims)
+            self._record(EventKind.REMOVED, victims, t)
 
     def _count_corrupt(self, t: int) -> None:
         """After a failed promotion: integrity failures tier ``t`` counted → metrics."""
@@ -307,14 +341,16 @@ class TieredStore:
             stored[t] = [k for k, good in zip(keys, ok) if good]
         return stored
 
-    def _write_through(self, keys: list[ChunkKey]) -> None:
+    def _write_through(self, keys: list[ChunkKey], tenant: str = "") -> None:
+        if not keys:
+            return
         writes = sum(1 for io in self._io if io.kind == "write")
         if writes >= self.MAX_WRITES_IN_FLIGHT:
             self.metrics.inc("kvsdk_dropped_writes_total", len(keys), tier=1)
             return
         slots = [self.host.slot_of(k) for k in keys]
         self.host.pin(keys)
-        self._submit("write", keys, self._write, keys, slots)
+        self._submit("write", keys, self._write, keys, slots, tenant=tenant)
 
     def _timed(self, tier: int, op: str, fn: Callable[[Any], _T], arg: Any) -> _T:
         start = time.perf_counter()
@@ -360,6 +396,8 @@ class TieredStore:
                 if io.generation == self._generation:
                     self.host.unpin(io.keys)
                     for t, stored in (result or {}).items():
+                        if stored and self.tenant_quotas:
+                            self._charge_lower(t, str(io.extra.get("tenant", "")), stored)
                         if stored:
                             self.metrics.inc(
                                 "kvsdk_stored_bytes_total", len(stored) * self._slot_bytes, tier=t
@@ -432,6 +470,8 @@ class TieredStore:
         self._remote.clear()
         self._to_query.clear()
         self._lookup_counts.clear()
+        self._store_tenant.clear()
+        self._lower_owned.clear()
         self.host.clear(keep=[k for io in busy for k in io.keys])
         self.events.reset()
         if self.lower:

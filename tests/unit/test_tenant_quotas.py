@@ -3,6 +3,9 @@ entries, never another tenant's."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 
 from kvsdk.config import ConfigError, load_config
@@ -55,3 +58,44 @@ def test_quota_config_errors_name_the_tenant() -> None:
         load_config({"tenant_quotas": {"acme": 1.5}})
     with pytest.raises(ConfigError, match=r"tenant_quotas\.acme: got 'lots'"):
         load_config({"tenant_quotas": {"acme": "lots"}})
+
+
+def test_a_tenant_over_its_share_of_a_slower_tier_loses_only_its_own_chunks_there(
+    tmp_path: Path,
+) -> None:
+    cfg = load_config(
+        {
+            "tiers": [
+                {"backend": "cpu", "capacity": 100 * 64},
+                {"backend": "disk", "path": str(tmp_path), "capacity": 20 * 320},
+            ],
+            "tenant_quotas": {"greedy": 0.25},
+        }
+    )
+    s = build_store(cfg, NS, 64)
+    assert put(s, "calm", [k("calm", i) for i in range(10)])
+    pump(s)
+    for i in range(40):
+        assert put(s, "greedy", [k("greedy", i)])
+        pump(s)  # engine steps between stores: write-throughs land
+    disk = s.tiers[1]
+    on_disk = {
+        key
+        for key, there in zip(
+            [k("calm", i) for i in range(10)] + [k("greedy", i) for i in range(40)],
+            disk.exists([k("calm", i) for i in range(10)] + [k("greedy", i) for i in range(40)]),
+            strict=True,
+        )
+        if there
+    }
+    assert {k("calm", i) for i in range(10)} <= on_disk
+    assert len([key for key in on_disk if key.startswith(b"greedy")]) == 5  # 0.25 x 20
+    s.shutdown()
+
+
+def pump(store: object) -> None:
+    deadline = time.monotonic() + 20
+    while store.has_pending_work() and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        store.step()  # type: ignore[attr-defined]
+        time.sleep(0.002)
+    store.step()  # type: ignore[attr-defined]
