@@ -61,6 +61,10 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+STAGE_BYTES = 16 << 20
+"""Size of each reused gather buffer; larger jobs go through it in pieces."""
+
+
 class _GroupPlan:
     """How one group's engine blocks map onto rows of the slab.
 
@@ -81,6 +85,7 @@ class _GroupPlan:
         self.slab_rows: torch.Tensor | None = None
         self.engine_rows: torch.Tensor | None = None
         self.layer_starts = torch.zeros(0, dtype=torch.int64)
+        self._stages: dict[Direction, torch.Tensor] = {}
         fused = _fused_rows(self.layers)
         if self.rows_per_slot and fused is not None:
             slab_rows, engine_rows = _wide(slab.view(-1, bb)), _wide(fused[0])
@@ -90,6 +95,15 @@ class _GroupPlan:
                     engine_rows,
                     fused[1],
                 )
+
+    def _stage(self, direction: Direction, like: torch.Tensor) -> torch.Tensor:
+        """A reused gather buffer per direction (loads and stores run on different
+        threads): a fresh temporary per job costs more in page faults than the copy."""
+        stage = self._stages.get(direction)
+        if stage is None:
+            rows = max(1, STAGE_BYTES // (like.shape[1] * like.element_size()))
+            stage = self._stages[direction] = torch.empty((rows, like.shape[1]), dtype=like.dtype)
+        return stage
 
     def copy(
         self, direction: Direction, blocks: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor
@@ -103,13 +117,15 @@ class _GroupPlan:
                 + (layer_idx * self.blocks_per_chunk)[:, None]
             ).reshape(-1)
             if direction is Direction.STORE:
-                self.slab_rows.index_copy_(
-                    0, slab_idx, self.engine_rows.index_select(0, engine_idx)
-                )
+                src, src_idx, dst, dst_idx = self.engine_rows, engine_idx, self.slab_rows, slab_idx
             else:
-                self.engine_rows.index_copy_(
-                    0, engine_idx, self.slab_rows.index_select(0, slab_idx)
-                )
+                src, src_idx, dst, dst_idx = self.slab_rows, slab_idx, self.engine_rows, engine_idx
+            stage = self._stage(direction, src)
+            step = stage.shape[0]
+            for i in range(0, len(src_idx), step):  # bounded pieces through a reused buffer
+                piece = stage[: len(src_idx[i : i + step])]
+                torch.index_select(src, 0, src_idx[i : i + step], out=piece)
+                dst.index_copy_(0, dst_idx[i : i + step], piece)
             return n
         for li, layer in enumerate(self.layers):  # general layout: per layer, advanced indexing
             if direction is Direction.STORE:

@@ -76,3 +76,12 @@ def test_a_failing_copy_is_reported_not_raised() -> None:
     (res,) = w.poll()
     assert not res.ok and res.error
     w.shutdown()
+
+
+def test_jobs_larger_than_the_gather_buffer_go_through_it_in_pieces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvsdk.transfer_cpu
+
+    monkeypatch.setattr(kvsdk.transfer_cpu, "STAGE_BYTES", 1)  # one row per piece
+    roundtrip((2, 4, 8), 3, 2, 0, shared=True)
