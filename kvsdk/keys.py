@@ -19,6 +19,8 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -113,16 +115,24 @@ def token_chunk_hashes(
     return out
 
 
+@lru_cache(maxsize=64)
+def _keyed(namespace_fp: bytes, group_index: int) -> Any:
+    """The keyed hasher for one namespace and group, already fed the group index:
+    each key copies it instead of redoing BLAKE2b's key setup."""
+    h = hashlib.blake2b(digest_size=KEY_BYTES, key=namespace_fp, person=b"kvsdk-key")
+    h.update(group_index.to_bytes(4, "little"))
+    return h
+
+
 def chunk_key(namespace_fp: bytes, chain_hash: bytes, group_index: int) -> ChunkKey:
     """The 16-byte key of one chunk of one KV group.
 
     ``chain_hash`` may be kvsdk's own (:func:`token_chunk_hashes`) or an
     engine-provided block hash of any length (vLLM's block hashes).
     """
-    h = hashlib.blake2b(digest_size=KEY_BYTES, key=namespace_fp, person=b"kvsdk-key")
-    h.update(group_index.to_bytes(4, "little"))
+    h = _keyed(namespace_fp, group_index).copy()
     h.update(chain_hash)
-    return h.digest()
+    return h.digest()  # type: ignore[no-any-return]
 
 
 def chunk_keys(

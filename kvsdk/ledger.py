@@ -106,7 +106,8 @@ class JobLedger:
 
     # -- step --------------------------------------------------------------------------
     def blocks_allocated(self, block_ids: Iterable[int]) -> None:
-        self._allocated_this_step.update(b for b in block_ids if b != 0)
+        self._allocated_this_step.update(block_ids)
+        self._allocated_this_step.discard(0)  # the null block is never written
 
     def collect_fence_flushes(self) -> None:
         if self._block_fences and self._allocated_this_step:
