@@ -43,7 +43,7 @@ PER_CONNECTOR_SCHED = {
 }  # fmt: skip
 THROUGHPUT_FIELDS = {
     "none", "kvsdk", "none_tokens_per_s", "kvsdk_tokens_per_s", "kvsdk_over_none",
-    "kvsdk_over_none_aggregate",
+    "kvsdk_over_none_aggregate", "kvsdk_over_none_paired", "kvsdk_over_none_cpu",
 }  # fmt: skip
 GOALS = {
     "ttft_kvsdk_le_native", "ttft_kvsdk_le_1.2x_local_hit", "sched_time_le_0.5x_native",
