@@ -13,7 +13,9 @@ keep every conversation):
 
 The reuse rate ``r`` is the share of a turn's prompt that repeats earlier
 turns: each turn adds ``(1 - r) / r`` times the history's length in new
-tokens (``r = 0``: every request is a fresh conversation). It writes
+tokens (``r = 0``: every request is a fresh conversation). The three
+configurations run one after another, then again in reverse order, and each
+figure is the mean of the two (drift on a shared machine cancels). It writes
 ``out/bench_serve.json`` and ``out/bench_serve.png``: TTFT p50/p99 and
 throughput against the reuse rate, and the cost at 0 % reuse.
 """
@@ -165,12 +167,13 @@ def run_bench(
 ) -> dict[str, Any]:
     from tqdm import tqdm
 
-    total = len(CONFIGS) * len(reuses) * users * rounds
+    orders = [list(CONFIGS), list(reversed(CONFIGS))]  # both orders: machine drift cancels
+    total = len(orders) * len(CONFIGS) * len(reuses) * users * rounds
     bar = tqdm(total=total, desc="bench serve", unit="req", disable=not progress)
-    per_config: dict[str, Any] = {}
+    runs: dict[str, list[Any]] = {c: [] for c in CONFIGS}
     with tempfile.TemporaryDirectory() as tmp:
-        for config in CONFIGS:  # one at a time: they share the machine's cores
-            path = Path(tmp) / f"{config}.json"
+        for n, config in ((n, c) for n, order in enumerate(orders) for c in order):
+            path = Path(tmp) / f"{config}-{n}.json"
             proc = subprocess.Popen(
                 [
                     sys.executable,
@@ -202,8 +205,15 @@ def run_bench(
             _, err = proc.communicate()
             if proc.returncode:
                 raise RuntimeError(f"{config} run failed: {err[-3000:]}")
-            per_config[config] = json.loads(path.read_text())
+            runs[config].append(json.loads(path.read_text()))
     bar.close()
+    per_config = {
+        c: {
+            x: {k: statistics.fmean(run[x][k] for run in runs[c]) for k in runs[c][0][x]}
+            for x in runs[c][0]
+        }
+        for c in CONFIGS
+    }
     zero = str(reuses[0])
     result = {
         "workload": {
