@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +47,7 @@ class EventTracker:
         self.max_pending = max_pending
         self._pending: deque[KVEvent] = deque()
         self._unpublished: deque[KVEvent] = deque()
-        self._annotations: dict[ChunkKey, Any] = {}
+        self._annotations: OrderedDict[ChunkKey, Any] = OrderedDict()
         self.dropped = 0
         """Events the adapter never drained (oldest dropped first)."""
         self.dropped_unpublished = 0
@@ -58,7 +58,7 @@ class EventTracker:
         if not self.enabled:
             return
         if len(self._annotations) >= self.max_pending:
-            self._annotations.pop(next(iter(self._annotations)))
+            self._annotations.popitem(last=False)  # O(1), unlike popping a dict's first key
         self._annotations[key] = info
 
     def record(

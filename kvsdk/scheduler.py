@@ -313,6 +313,10 @@ class OffloadScheduler:
         r = self._requests.get(req_id)
         if r is None or r.req_id in self._loading_requests:
             return None  # stores wait until the request's load landed
+        if all(
+            upto // g.tokens_per_chunk <= r.next_store_chunk[gi] for gi, g in enumerate(self.groups)
+        ):
+            return None  # no chunk completed since the last store (most decode steps)
         self._refresh_keys(r)
         candidates: list[tuple[int, int]] = []  # (group position, chunk)
         for gi, g in enumerate(self.groups):

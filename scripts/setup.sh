@@ -24,14 +24,17 @@ if [[ ! -f "$stamp" ]]; then
     touch "$stamp"
 fi
 
-if ! command -v redis-server >/dev/null; then
+need=()
+command -v redis-server >/dev/null || need+=(redis-server)
+command -v openssl >/dev/null || need+=(openssl)   # the Redis TLS tests make a certificate
+if ((${#need[@]})); then
     if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
-        echo "setup: installing redis-server (apt)"
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+        echo "setup: installing ${need[*]} (apt)"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
         # tests start their own servers on free ports; the distro's service is not needed
         (service redis-server stop || true) >/dev/null 2>&1
     else
-        echo "setup: redis-server missing and cannot apt-get it (not root): Redis tests will fail" >&2
+        echo "setup: ${need[*]} missing and cannot apt-get (not root): those tests will fail" >&2
     fi
 fi
 

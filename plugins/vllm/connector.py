@@ -266,6 +266,11 @@ class KVSDKConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched.shutdown()
 
 
+def _has_event_sinks() -> bool:
+    """Whether any installed plugin implements the ``kvsdk_publish_events`` hook."""
+    return bool(plugins_manager.plugin_manager().hook.kvsdk_publish_events.get_hookimpls())
+
+
 def _recompute_failed_loads(vllm_config: Any) -> None:
     """A cache that fails to load is a miss: vLLM must recompute, not fail the
     request. vLLM reads this policy right after building the connector."""
@@ -285,6 +290,9 @@ class _SchedulerSide:
         self.store = build_store(
             layout.config, layout.namespace, layout.chunk_bytes, slab_name=layout.slab_name
         )
+        kv_events = getattr(vllm_config, "kv_events_config", None)
+        if not (kv_events and kv_events.enable_kv_cache_events) and not _has_event_sinks():
+            self.store.events.enabled = False  # nobody would read them: skip the bookkeeping
         self.core = OffloadScheduler(
             layout.groups,
             layout.namespace,

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from redis_server import missing_tool
 
 from kvsdk import plugins_manager
 from kvsdk.backend import TierContext
@@ -380,7 +381,9 @@ def mounted_tmpfs(where: Path, size: str) -> Iterator[Path]:
         text=True,
     )
     if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {res.stderr.strip()}")
+        missing_tool(
+            f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {res.stderr.strip()}"
+        )
     try:
         yield where
     finally:

@@ -21,6 +21,7 @@ from redis_server import (  # noqa: F401  (fixtures)
     RedisClusterNodes,
     RedisServer,
     free_port,
+    missing_tool,
     needs_redis,
     redis_cluster_fixture,
     redis_server_fixture,
@@ -298,7 +299,7 @@ def test_threads_share_one_backend(redis_server: RedisServer) -> None:
 
 def _tls_server(tmp_path: Path) -> tuple[RedisServer, Path]:
     if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed: cannot make a test certificate")
+        missing_tool("openssl not installed: cannot make a test certificate")
     cert, keyfile = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",

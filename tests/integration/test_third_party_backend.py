@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from redis_server import missing_tool
 
 from kvsdk import plugins_manager
 from kvsdk.backend import Backend, TierContext
@@ -93,7 +94,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> None:
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     kvsdk = Path(sys.executable).parent / "kvsdk"
     if not kvsdk.exists():
-        pytest.skip("the kvsdk console script is not installed next to this interpreter")
+        missing_tool("the kvsdk console script is not installed next to this interpreter")
     return subprocess.run([str(kvsdk), *args], capture_output=True, text=True, timeout=120)
 
 

@@ -762,7 +762,7 @@ EXAMPLE_CHAINS = {
 def test_example_configs_pass_kvsdk_config_check() -> None:
     script = shutil.which("kvsdk", path=str(Path(sys.executable).parent))
     if script is None:
-        pytest.skip("the kvsdk console script is not installed next to this interpreter")
+        missing_tool("the kvsdk console script is not installed next to this interpreter")
     procs = {
         name: subprocess.Popen(
             [script, "config", "check", str(EXAMPLES / name)],
