@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -73,12 +73,6 @@ class WorkerResult:
     """How many workers this report stands for."""
 
 
-@dataclass
-class _PendingLoad:
-    engine_blocks: frozenset[int]
-    keys: tuple[ChunkKey, ...] = field(default_factory=tuple)
-
-
 class OffloadScheduler:
     def __init__(
         self,
@@ -113,7 +107,8 @@ class OffloadScheduler:
         self._requests: dict[ReqId, _Request] = {}
         self._being_loaded: dict[ChunkKey, int] | None = {} if track_chunks_being_loaded else None
         self._step_loads: list[TransferJob] = []
-        self._pending_loads: dict[int, _PendingLoad] = {}
+        self._load_blocks: dict[int, frozenset[int]] = {}
+        """Engine blocks each load job writes (reported back if the load fails)."""
         self._loading_requests: set[ReqId] = set()
         self._awaiting_final_store: set[ReqId] = set()
 
@@ -247,9 +242,7 @@ class OffloadScheduler:
         job_id = self.ledger.add_load(req_id, keys)
         self._loading_requests.add(req_id)
         self._step_loads.append(TransferJob(job_id, Direction.LOAD, copies))
-        self._pending_loads[job_id] = _PendingLoad(
-            frozenset(b for _, eb, _, _ in per_group for b in eb), tuple(keys)
-        )
+        self._load_blocks[job_id] = frozenset(b for _, eb, _, _ in per_group for b in eb)
         if self._being_loaded is not None:
             for k in keys:
                 self._being_loaded[k] = self._being_loaded.get(k, 0) + 1
@@ -377,7 +370,7 @@ class OffloadScheduler:
                 if job.failed:
                     self.metrics.inc("kvsdk_failed_jobs_total", direction="store")
             else:
-                pending = self._pending_loads.pop(job.job_id)
+                blocks = self._load_blocks.pop(job.job_id)
                 self._loading_requests.discard(job.req_id)
                 self.store.complete_load(job.keys)
                 if self._being_loaded is not None:
@@ -389,7 +382,7 @@ class OffloadScheduler:
                             self._being_loaded.pop(k, None)
                 if job.failed:
                     self.metrics.inc("kvsdk_failed_jobs_total", direction="load")
-                    failed_blocks |= pending.engine_blocks
+                    failed_blocks |= blocks
                     # never offer chunks that just failed to load again: they are misses now
                     self.store.discard(job.keys)
             r = self._requests.get(job.req_id)
@@ -444,7 +437,7 @@ class OffloadScheduler:
         # loads still in flight keep their slots pinned until they complete
         if self._being_loaded is not None:
             self._being_loaded.clear()
-        self._pending_loads.clear()
+        self._load_blocks.clear()
         self._loading_requests.clear()
         self.store.reset()
         return frozenset(flush)
