@@ -316,7 +316,7 @@ def _tls_server(tmp_path: Path) -> tuple[RedisServer, Path]:
         server.start(timeout=5)
     except RuntimeError as exc:
         server.kill()
-        pytest.skip(f"this redis-server cannot serve TLS: {exc}")
+        missing_tool(f"this redis-server cannot serve TLS: {exc}")
     return server, cert
 
 

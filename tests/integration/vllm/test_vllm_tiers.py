@@ -158,8 +158,7 @@ def runs(
 
 
 def result(runs: dict[str, Any], name: str) -> dict[str, Any]:
-    if name not in runs:
-        pytest.skip(f"{name} did not run (redis-server not installed?)")
+    assert name in runs, f"{name} did not run (is redis-server installed? scripts/setup.sh)"
     r: dict[str, Any] = runs[name]
     assert "error" not in r, f"{name}: {r['error']}"
     return r
