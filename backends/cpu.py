@@ -63,6 +63,7 @@ class CPUBackend(HostTier):
         self._slot: dict[ChunkKey, int] = {}
         self._state: dict[ChunkKey, int] = {}
         self._length: dict[ChunkKey, int] = {}
+        """Entries shorter than a slot (``put`` of a short value); others fill it."""
         self._pins: dict[ChunkKey, int] = {}
         self._owner: dict[ChunkKey, str] = {}
         self._usage: Counter[str] = Counter()
@@ -88,8 +89,19 @@ class CPUBackend(HostTier):
             return self._slot[key]
         return None
 
+    def readable_run(self, keys: Sequence[ChunkKey], start: int, stop: int) -> int:
+        state = self._state.get
+        i = start
+        while i < stop and state(keys[i]) == _READY:
+            i += 1
+        return i
+
     def contains(self, key: ChunkKey) -> bool:
         return key in self._slot
+
+    def absent(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
+        present = self._slot
+        return list(dict.fromkeys(k for k in keys if k not in present))
 
     def _can_evict(self, key: ChunkKey) -> bool:
         return self._state.get(key) == _READY and key not in self._pins
@@ -97,7 +109,7 @@ class CPUBackend(HostTier):
     def reserve(
         self, keys: Sequence[ChunkKey], *, owner: str = "", limit: int | None = None
     ) -> tuple[list[int], list[ChunkKey]] | None:
-        assert not any(k in self._slot for k in keys), "reserve() of a present key"
+        assert self._slot.keys().isdisjoint(keys), "reserve() of a present key"
         if limit is not None and len(keys) > limit:
             return None
         over = len(keys) + self._usage[owner] - limit if limit is not None else 0
@@ -122,28 +134,32 @@ class CPUBackend(HostTier):
             self._policy.evicted(key)
             self._drop(key)
         self.evictions += len(evicted)
-        slots = [self._free.pop() for _ in keys]
-        for key, slot in zip(keys, slots):
-            self._slot[key] = slot
-            self._state[key] = _WRITING
-            self._length[key] = self.slot_bytes
-            self._owner[key] = owner
-        self._usage[owner] += len(keys)
+        n = len(keys)
+        slots = self._free[: -n - 1 : -1]  # the same slots, in the same order, as n pops
+        del self._free[len(self._free) - n :]
+        self._slot.update(zip(keys, slots))
+        self._state.update(dict.fromkeys(keys, _WRITING))
+        self._owner.update(dict.fromkeys(keys, owner))
+        self._usage[owner] += n
         return slots, evicted
 
     def usage(self, owner: str = "") -> int:
         """Slots held (readable or being written) by ``owner``."""
         return self._usage[owner]
 
-    def commit(self, keys: Sequence[ChunkKey], ok: bool) -> None:
-        for key in keys:
-            if self._state.get(key) != _WRITING:
-                continue  # dropped meanwhile (reset / delete)
-            if ok:
-                self._state[key] = _READY
-                self._policy.insert(key)
-            else:
+    def commit(self, keys: Sequence[ChunkKey], ok: bool) -> list[ChunkKey]:
+        state = self._state
+        # entries dropped meanwhile (reset / delete) are skipped
+        writing = [k for k in keys if state.get(k) == _WRITING]
+        if not ok:
+            for key in writing:
                 self._drop(key)
+            return []
+        state.update(dict.fromkeys(writing, _READY))
+        insert = self._policy.insert
+        for key in writing:
+            insert(key)
+        return writing
 
     def pin(self, keys: Sequence[ChunkKey]) -> None:
         for key in keys:
@@ -182,7 +198,9 @@ class CPUBackend(HostTier):
         for key in keys:
             slot = self.slot_of(key)
             out.append(
-                None if slot is None else memoryview(self._np[slot, : self._length[key]].data)
+                None
+                if slot is None
+                else memoryview(self._np[slot, : self._length.get(key, self.slot_bytes)].data)
             )
         return out
 

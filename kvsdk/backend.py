@@ -99,6 +99,34 @@ class Backend(ABC):
         """All stored keys (only when ``supports_listing``)."""
         raise NotImplementedError(f"{type(self).__name__} cannot list its keys")
 
+    def put_parts(self, items: Sequence[tuple[ChunkKey, Sequence[memoryview]]]) -> list[bool]:
+        """Like ``put``, each payload given as flat byte views whose concatenation
+        it is (e.g. a page lying in several regions of host memory). Backends
+        with scatter/gather I/O override this and write the parts as they are;
+        this default joins them (one copy) and calls ``put``."""
+        return self.put([(key, b"".join(parts)) for key, parts in items])
+
+    def get_into_parts(
+        self, keys: Sequence[ChunkKey], outs: Sequence[Sequence[memoryview]]
+    ) -> list[bool]:
+        """Like ``get``, each payload read into the writable flat byte views
+        ``outs[i]`` in order (their sizes must add up to the payload's exactly;
+        another size is a miss). Per key whether it was read; where False the
+        destinations' contents are undefined. Backends with scatter/gather I/O
+        override this; this default copies out of ``get``."""
+        done = []
+        for value, parts in zip(self.get(keys), outs):
+            src = None if value is None else memoryview(value).cast("B")
+            ok = src is not None and src.nbytes == sum(p.nbytes for p in parts)
+            if ok:
+                assert src is not None
+                off = 0
+                for part in parts:
+                    part[:] = src[off : off + part.nbytes]
+                    off += part.nbytes
+            done.append(ok)
+        return done
+
     @classmethod
     def inventory(cls, options: Any) -> list[dict[str, Any]]:
         """What a tier configured with ``options`` holds, per namespace, without
@@ -125,9 +153,21 @@ class HostTier(Backend):
     def slot_of(self, key: ChunkKey) -> int | None:
         """Slot of a readable entry, or None."""
 
+    def readable_run(self, keys: Sequence[ChunkKey], start: int, stop: int) -> int:
+        """First index in ``[start, stop)`` whose key is not readable (``stop``
+        if all are): the planner's prefix scan in one call."""
+        i = start
+        while i < stop and self.slot_of(keys[i]) is not None:
+            i += 1
+        return i
+
     @abstractmethod
     def contains(self, key: ChunkKey) -> bool:
         """Readable or being written (a store for it is in flight)."""
+
+    def absent(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
+        """``keys`` that are neither readable nor being written, once each, in order."""
+        return list(dict.fromkeys(k for k in keys if not self.contains(k)))
 
     @abstractmethod
     def reserve(
@@ -141,7 +181,9 @@ class HostTier(Backend):
         first, and the reservation fails if they cannot be."""
 
     @abstractmethod
-    def commit(self, keys: Sequence[ChunkKey], ok: bool) -> None: ...
+    def commit(self, keys: Sequence[ChunkKey], ok: bool) -> list[ChunkKey]:
+        """End the writes of ``keys``; returns those that became readable
+        (none when ``ok`` is false; entries dropped meanwhile are skipped)."""
 
     @abstractmethod
     def pin(self, keys: Sequence[ChunkKey]) -> None: ...

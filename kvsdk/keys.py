@@ -26,7 +26,7 @@ import numpy as np
 
 from kvsdk.types import ChunkKey
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Bump when the meaning of stored bytes changes: old entries become misses."""
 
 KEY_BYTES = 16
@@ -124,12 +124,30 @@ def _keyed(namespace_fp: bytes, group_index: int) -> Any:
     return h
 
 
+@lru_cache(maxsize=64)
+def key_mask(namespace_fp: bytes, group_index: int) -> int:
+    """The 128-bit mask that scopes chain hashes to one namespace and group:
+    a keyed BLAKE2b of the group index under the namespace fingerprint."""
+    return int.from_bytes(_keyed(namespace_fp, group_index).digest(), "little")
+
+
 def chunk_key(namespace_fp: bytes, chain_hash: bytes, group_index: int) -> ChunkKey:
     """The 16-byte key of one chunk of one KV group.
 
     ``chain_hash`` may be kvsdk's own (:func:`token_chunk_hashes`) or an
-    engine-provided block hash of any length (vLLM's block hashes).
+    engine-provided block hash (vLLM's, SGLang's). A hash of 16 bytes or more
+    is already a collision-resistant digest of the whole prefix, so its first
+    16 bytes are XORed with the namespace's mask (:func:`key_mask`): two
+    namespaces share a key only if two chain hashes differ by exactly the XOR
+    of their masks, as hard as a 128-bit collision, at a third of the cost of
+    hashing again (it runs for every chunk on the scheduler thread). Shorter
+    hashes go through the keyed BLAKE2b.
     """
+    if len(chain_hash) >= KEY_BYTES:
+        mask = key_mask(namespace_fp, group_index)
+        return (int.from_bytes(chain_hash[:KEY_BYTES], "little") ^ mask).to_bytes(
+            KEY_BYTES, "little"
+        )
     h = _keyed(namespace_fp, group_index).copy()
     h.update(chain_hash)
     return h.digest()  # type: ignore[no-any-return]
@@ -138,4 +156,12 @@ def chunk_key(namespace_fp: bytes, chain_hash: bytes, group_index: int) -> Chunk
 def chunk_keys(
     namespace_fp: bytes, chain_hashes: Sequence[bytes], group_index: int
 ) -> list[ChunkKey]:
-    return [chunk_key(namespace_fp, h, group_index) for h in chain_hashes]
+    """``chunk_key`` of each hash (the mask is looked up once)."""
+    mask = key_mask(namespace_fp, group_index)
+    frm = int.from_bytes
+    return [
+        (frm(h[:KEY_BYTES], "little") ^ mask).to_bytes(KEY_BYTES, "little")
+        if len(h) >= KEY_BYTES
+        else chunk_key(namespace_fp, h, group_index)
+        for h in chain_hashes
+    ]

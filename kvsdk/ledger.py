@@ -152,8 +152,8 @@ class JobLedger:
             True,
             tuple(keys),
             self.num_workers,
-            tuple(b for b in fenced_block_ids if b != 0),
-            tuple(b for b in deferred_fence_block_ids if b != 0),
+            _without_null(fenced_block_ids),
+            _without_null(deferred_fence_block_ids),
         )
         self._jobs[jid] = job
         r.jobs.add(jid)
@@ -225,3 +225,8 @@ class JobLedger:
         r = self._requests.get(req_id)
         if r is not None and r.forget_when_idle and not r.jobs:
             del self._requests[req_id]
+
+
+def _without_null(block_ids: Sequence[int]) -> tuple[int, ...]:
+    """The null block (0) is never written, so never fenced."""
+    return tuple(b for b in block_ids if b != 0) if 0 in block_ids else tuple(block_ids)

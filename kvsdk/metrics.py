@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +62,11 @@ def _labels(labels: dict[str, Any]) -> Labels:
     return tuple(sorted((k, str(v)) for k, v in labels.items()))
 
 
+def _format_name(name: str, labels: Labels) -> str:
+    inner = ",".join(f"{k}={v}" for k, v in labels)
+    return f"{name}{{{inner}}}" if inner else name
+
+
 class Metrics:
     """Thread-safe registry of kvsdk's counters and histograms."""
 
@@ -71,13 +76,22 @@ class Metrics:
         self._hists: dict[tuple[str, Labels], Histogram] = {}
         self.version = 0
         """Bumped by every update: a reader can skip work when nothing changed."""
+        self.counter_version = 0
+        """Bumped by every counter update."""
+        self._names: dict[tuple[str, Labels], str] = {}
+        self._keys: dict[tuple[Any, ...], tuple[str, Labels]] = {}
+        """``inc``'s call form -> its normalized key (labels sorted, values as text)."""
 
     def inc(self, name: str, value: float = 1.0, **labels: Any) -> None:
-        assert name in COUNTERS, name
-        key = (name, _labels(labels))
+        raw = (name, *labels.items())
+        key = self._keys.get(raw)
+        if key is None:
+            assert name in COUNTERS, name
+            key = self._keys[raw] = (name, _labels(labels))
         with self._lock:
             self._counters[key] = self._counters.get(key, 0.0) + value
             self.version += 1
+            self.counter_version += 1
 
     def observe(self, name: str, value: float, **labels: Any) -> None:
         key = (name, _labels(labels))
@@ -88,6 +102,15 @@ class Metrics:
             h.observe(value)
             self.version += 1
 
+    def histogram(self, name: str, **labels: Any) -> BoundHistogram:
+        """One histogram with its labels resolved once, for hot paths."""
+        key = (name, _labels(labels))
+        with self._lock:
+            h = self._hists.get(key)
+            if h is None:
+                h = self._hists[key] = Histogram(HISTOGRAMS[name][1])
+        return BoundHistogram(self, h)
+
     def counter(self, name: str, **labels: Any) -> float:
         """One counter's value; with no labels given, the sum over all label sets."""
         with self._lock:
@@ -95,14 +118,25 @@ class Metrics:
                 return self._counters.get((name, _labels(labels)), 0.0)
             return sum(v for (n, _), v in self._counters.items() if n == name)
 
+    def counters(self) -> dict[str, float]:
+        """``{"name{label=value,...}": value}`` of every counter (cheaper than
+        ``snapshot``: no histograms, names formatted once)."""
+        names = self._names
+        with self._lock:
+            items = list(self._counters.items())
+        out = {}
+        for key, v in items:
+            name = names.get(key)
+            if name is None:
+                name = names[key] = _format_name(*key)
+            out[name] = v
+        return out
+
     def snapshot(self) -> dict[str, Any]:
         """Plain-data copy: ``{"counters": {...}, "histograms": {...}}`` keyed by
         ``name{label=value,...}``."""
 
-        def fmt(name: str, labels: Labels) -> str:
-            inner = ",".join(f"{k}={v}" for k, v in labels)
-            return f"{name}{{{inner}}}" if inner else name
-
+        fmt = _format_name
         with self._lock:
             return {
                 "counters": {fmt(n, lb): v for (n, lb), v in sorted(self._counters.items())},
@@ -131,6 +165,27 @@ class Metrics:
             ]
         for (n, lb), h in items:
             yield n, lb, h
+
+
+class BoundHistogram:
+    __slots__ = ("_hist", "_metrics")
+
+    def __init__(self, metrics: Metrics, hist: Histogram) -> None:
+        self._metrics = metrics
+        self._hist = hist
+
+    def observe(self, value: float) -> None:
+        m = self._metrics
+        with m._lock:
+            self._hist.observe(value)
+            m.version += 1
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        m = self._metrics
+        with m._lock:
+            for v in values:
+                self._hist.observe(v)
+            m.version += 1
 
 
 def start_prometheus_exporter(metrics: Metrics, port: int, addr: str = "127.0.0.1") -> Any:

@@ -30,19 +30,23 @@ the answer past the last whole chunk.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence, Set, Sized
 from dataclasses import dataclass
 
 from kvsdk.types import ChunkKey, GroupKind, KVGroupSpec, LookupResult, cdiv, round_down
 
 LookupFn = Callable[[ChunkKey], LookupResult]
+LookupRunFn = Callable[[Sequence[ChunkKey], int, int], tuple[int, int]]
+"""``lookup_run(keys, start, stop) -> (present_end, hit_end)``: ``lookup`` over
+``keys[start:stop]`` up to the first MISS; ``keys[start:present_end]`` are
+present, ``keys[start:hit_end]`` plain HITs (see ``TieredStore.lookup_run``)."""
 BoundaryKeyFn = Callable[[int, int], ChunkKey]
 """``boundary_key(group_index, boundary_tokens)`` for partial-tail entries."""
 
 _PRESENT = (LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PlanRequest:
     """One request as the planner sees it (filled by an adapter)."""
 
@@ -102,6 +106,10 @@ class LookupPlanner:
             ),
         )
         self._recompute_last = any(g.kind is not GroupKind.FULL_ATTENTION for g in self.groups)
+        self._prefix_only = all(
+            g.kind is GroupKind.FULL_ATTENTION and not g.eagle for g in self.groups
+        )
+        """Every group is a plain prefix scan: one ``lookup_run`` per group answers it."""
         self.mamba_align_tokens = mamba_align_tokens
         self.partial_tail_block_tokens = partial_tail_block_tokens
         self.tokens_per_hash = tokens_per_hash or self.groups[0].tokens_per_block
@@ -116,10 +124,16 @@ class LookupPlanner:
         *,
         max_num_new_tokens: int | None = None,
         being_loaded: Container[ChunkKey] | None = None,
+        lookup_run: LookupRunFn | None = None,
     ) -> Plan | None:
+        """``lookup_run`` (optional, same answers as ``lookup``) lets plain
+        full-attention models scan each group's prefix in one call."""
         memo = _Memo(lookup)
         computed = req.num_computed_tokens
-        complete = self._complete_chunks_end(req, memo, max_num_new_tokens)
+        if lookup_run is not None and self._prefix_only:
+            complete = self._prefix_end(req, lookup_run, max_num_new_tokens)
+        else:
+            complete = self._complete_chunks_end(req, memo, max_num_new_tokens)
         if complete is None:
             return None
         end = complete or computed
@@ -174,6 +188,37 @@ class LookupPlanner:
                 return None
         return end
 
+    def _prefix_end(
+        self, req: PlanRequest, lookup_run: LookupRunFn, max_num_new_tokens: int | None
+    ) -> int | None:
+        """``_complete_chunks_end`` when every group is a plain prefix scan:
+        each group's run of present chunks is read once, then the convergence
+        loop is arithmetic."""
+        computed = req.num_computed_tokens
+        end = self.cap(req, max_num_new_tokens)
+        if end <= computed:
+            return 0
+        align = req.max_load_tokens is not None
+        runs = []
+        for i in self._order:
+            tpc = self.groups[i].tokens_per_chunk
+            present, hit = lookup_run(req.group_keys[i], computed // tpc, cdiv(end, tpc))
+            runs.append((tpc, present, hit))
+        moved = True
+        while moved:
+            moved = False
+            for tpc, present, _ in runs:
+                best = round_down(end, tpc) if align else end
+                if present < cdiv(best, tpc):
+                    best = present * tpc
+                if best - computed < tpc:
+                    return 0
+                if best < end:
+                    end, moved = best, True
+        if any(hit < cdiv(end, tpc) for tpc, _, hit in runs):
+            return None  # a chunk the answer needs is not readable yet
+        return end
+
     def _needed(self, g: KVGroupSpec, computed: int, end: int) -> range:
         rng = g.needed_chunks(computed, end)
         return range(rng.start, rng.stop + 1) if g.eagle else rng
@@ -210,11 +255,17 @@ class LookupPlanner:
     def _any_being_loaded(
         self, req: PlanRequest, end: int, being_loaded: Container[ChunkKey]
     ) -> bool:
+        if isinstance(being_loaded, Sized) and not being_loaded:
+            return False
         for i, g in enumerate(self.groups):
-            keys = req.group_keys[i]
-            for c in g.needed_chunks(req.num_computed_tokens, end):
-                if keys[c] in being_loaded:
+            rng = g.needed_chunks(req.num_computed_tokens, end)
+            needed = req.group_keys[i][rng.start : rng.stop]
+            if isinstance(being_loaded, Mapping | Set):  # one C-level pass
+                view = being_loaded.keys() if isinstance(being_loaded, Mapping) else being_loaded
+                if not view.isdisjoint(needed):
                     return True
+            elif any(k in being_loaded for k in needed):
+                return True
         return False
 
     # -- partial tail ------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvsdk.events import KVEvent
-from kvsdk.keys import Namespace, chunk_key, token_chunk_hashes
+from kvsdk.keys import Namespace, chunk_keys, token_chunk_hashes
 from kvsdk.ledger import JobLedger
 from kvsdk.metrics import Metrics
 from kvsdk.planner import LookupPlanner, PlanRequest
@@ -47,6 +47,8 @@ class _Request:
     block_ids: list[list[int]]
     keys: list[list[ChunkKey]]
     next_store_chunk: list[int]
+    next_store_at: int = 0
+    """Token count at which some group completes a chunk it has not stored yet."""
     num_computed_local: int = 0
     deferred_since: float | None = None
     tenant: str = ""
@@ -111,6 +113,10 @@ class OffloadScheduler:
         """Engine blocks each load job writes (reported back if the load fails)."""
         self._loading_requests: set[ReqId] = set()
         self._awaiting_final_store: set[ReqId] = set()
+        self._sync_delay = self.metrics.histogram("kvsdk_lookup_delay_seconds", kind="sync")
+        self._sync_delays: list[float] = []
+        self._hit_tokens = 0
+        """Planner times and promised tokens not yet in the metrics (flushed once per step)."""
 
     # -- requests ---------------------------------------------------------------------
     def add_request(
@@ -128,7 +134,7 @@ class OffloadScheduler:
             if token_ids is None:
                 raise ValueError("add_request needs block_hashes or token_ids")
             block_hashes = token_chunk_hashes(token_ids, self.tokens_per_hash)
-        self._requests[req_id] = _Request(
+        r = self._requests[req_id] = _Request(
             req_id=req_id,
             num_prompt_tokens=num_prompt_tokens,
             num_tokens=num_prompt_tokens,
@@ -138,16 +144,27 @@ class OffloadScheduler:
             next_store_chunk=[0] * len(self.groups),
             tenant=tenant,
         )
+        self._set_next_store(r)
 
     def _refresh_keys(self, r: _Request) -> None:
         n_hash = len(r.hashes)
+        events = self.store.events
         for gi, g in enumerate(self.groups):
             per = g.tokens_per_chunk // self.tokens_per_hash
             keys = r.keys[gi]
-            for c in range(len(keys), n_hash // per):
-                key = chunk_key(self.ns_fp, r.hashes[(c + 1) * per - 1], g.index)
-                keys.append(key)
-                self.store.events.annotate(key, (g.index, c, r.hashes[(c + 1) * per - 1]))
+            first = len(keys)
+            if first >= n_hash // per:
+                continue
+            hashes = r.hashes[first * per + per - 1 : (n_hash // per) * per : per]
+            keys.extend(chunk_keys(self.ns_fp, hashes, g.index))
+            if events.enabled:  # events name chunks by the engine's hashes
+                for c, h in enumerate(hashes, first):
+                    events.annotate(keys[c], (g.index, c, h))
+
+    def _set_next_store(self, r: _Request) -> None:
+        r.next_store_at = min(
+            (c + 1) * g.tokens_per_chunk for c, g in zip(r.next_store_chunk, self.groups)
+        )
 
     def has_request(self, req_id: ReqId) -> bool:
         return req_id in self._requests
@@ -184,9 +201,10 @@ class OffloadScheduler:
             self.store.lookup,
             max_num_new_tokens=max_num_new_tokens,
             being_loaded=self._being_loaded,
+            lookup_run=self.store.lookup_run,
         )
         now = time.perf_counter()
-        self.metrics.observe("kvsdk_lookup_delay_seconds", now - start, kind="sync")
+        self._sync_delays.append(now - start)
         if plan is None:
             if r.deferred_since is None:
                 r.deferred_since = start
@@ -194,8 +212,7 @@ class OffloadScheduler:
         if r.deferred_since is not None:
             self.metrics.observe("kvsdk_lookup_delay_seconds", now - r.deferred_since, kind="async")
             r.deferred_since = None
-        if plan.num_hit_tokens:
-            self.metrics.inc("kvsdk_hit_tokens_total", plan.num_hit_tokens)
+        self._hit_tokens += plan.num_hit_tokens
         return plan.num_hit_tokens
 
     # -- loads ----------------------------------------------------------------------------
@@ -248,6 +265,7 @@ class OffloadScheduler:
                 self._being_loaded[k] = self._being_loaded.get(k, 0) + 1
         for gi, g in enumerate(self.groups):  # loaded chunks need no store
             r.next_store_chunk[gi] = max(r.next_store_chunk[gi], end // g.tokens_per_chunk)
+        self._set_next_store(r)
 
     # -- the step ---------------------------------------------------------------------------
     def build_step(
@@ -290,11 +308,17 @@ class OffloadScheduler:
         for req_id in finished:
             self.ledger.request_finished(req_id)
         self.ledger.collect_fence_flushes()
-        stores = [
-            job
-            for req_id, upto in [*computed_after_step.items(), *finished.items()]
-            if (job := self._store_job(req_id, upto)) is not None
-        ]
+        stores = []
+        requests = self._requests
+        for items in (computed_after_step.items(), finished.items()):
+            for req_id, upto in items:
+                r = requests.get(req_id)
+                # most steps complete no new chunk for most requests: one comparison
+                if r is not None and upto >= r.next_store_at:
+                    job = self._store_job(r, upto)
+                    if job is not None:
+                        stores.append(job)
+        self._flush_metrics()
         for req_id in finished:
             self._finish(req_id)
         loads, self._step_loads = tuple(self._step_loads), []
@@ -302,27 +326,41 @@ class OffloadScheduler:
         self.store.step()
         return StepJobs(loads, tuple(stores), flush)
 
-    def _store_job(self, req_id: ReqId, upto: int) -> TransferJob | None:
-        r = self._requests.get(req_id)
-        if r is None or r.req_id in self._loading_requests:
+    def _flush_metrics(self) -> None:
+        if self._hit_tokens:
+            self.metrics.inc("kvsdk_hit_tokens_total", self._hit_tokens)
+            self._hit_tokens = 0
+        if self._sync_delays:
+            self._sync_delay.observe_many(self._sync_delays)
+            self._sync_delays.clear()
+
+    def _store_job(self, r: _Request, upto: int) -> TransferJob | None:
+        if r.req_id in self._loading_requests:
             return None  # stores wait until the request's load landed
-        if all(
-            upto // g.tokens_per_chunk <= r.next_store_chunk[gi] for gi, g in enumerate(self.groups)
-        ):
-            return None  # no chunk completed since the last store (most decode steps)
         self._refresh_keys(r)
-        candidates: list[tuple[int, int]] = []  # (group position, chunk)
+        chosen: list[Sequence[int]] = []  # per group: chunks to store
+        keys: list[ChunkKey] = []
         for gi, g in enumerate(self.groups):
             bpc = g.blocks_per_chunk
             ids = r.block_ids[gi]
-            stop = min(upto // g.tokens_per_chunk, len(r.keys[gi]), len(ids) // bpc)
-            for c in range(r.next_store_chunk[gi], stop):
-                if all(ids[c * bpc : (c + 1) * bpc]):  # a 0 is a skipped (null) block
-                    candidates.append((gi, c))
-            r.next_store_chunk[gi] = max(r.next_store_chunk[gi], stop)
-        if not candidates:
+            gkeys = r.keys[gi]
+            first = r.next_store_chunk[gi]
+            stop = min(upto // g.tokens_per_chunk, len(gkeys), len(ids) // bpc)
+            if first >= stop:
+                chosen.append([])
+                continue
+            if bpc == 1 and 0 not in ids[first:stop]:  # a 0 is a skipped (null) block
+                cs: Sequence[int] = range(first, stop)
+                keys.extend(gkeys[first:stop])
+            else:
+                cs = [c for c in range(first, stop) if all(ids[c * bpc : (c + 1) * bpc])]
+                keys.extend(gkeys[c] for c in cs)
+            chosen.append(cs)
+            r.next_store_chunk[gi] = stop
+        self._set_next_store(r)
+        if not keys:
             return None
-        plan = self.store.prepare_store([r.keys[gi][c] for gi, c in candidates], r.tenant)
+        plan = self.store.prepare_store(keys, r.tenant)
         if plan is None or not plan.keys:
             return None
         slot_of = dict(zip(plan.keys, plan.slots))
@@ -331,29 +369,30 @@ class OffloadScheduler:
         copies = []
         for gi, g in enumerate(self.groups):
             bpc = g.blocks_per_chunk
-            eb: list[int] = []
-            slots: list[int] = []
-            offs: list[int] = []
-            for gj, c in candidates:
-                key = r.keys[gi][c] if gj == gi else None
-                if key is None or key not in slot_of:
-                    continue
-                ids = r.block_ids[gi][c * bpc : (c + 1) * bpc]
-                eb.extend(ids)
-                slots.extend([slot_of[key]] * bpc)
-                offs.extend(range(bpc))
-                (deferred if g.kind is GroupKind.FULL_ATTENTION else fenced).extend(ids)
-            if eb:
-                copies.append(
-                    BlockCopies(
-                        group=g.index,
-                        engine_blocks=np.asarray(eb, dtype=np.int64),
-                        slots=np.asarray(slots, dtype=np.int64),
-                        offsets=np.asarray(offs, dtype=np.int64),
-                    )
+            ids = r.block_ids[gi]
+            gkeys = r.keys[gi]
+            stored = [(c, slot) for c in chosen[gi] if (slot := slot_of.get(gkeys[c])) is not None]
+            if not stored:
+                continue
+            if bpc == 1:
+                eb = [ids[c] for c, _ in stored]
+                slots = [slot for _, slot in stored]
+                offs = np.zeros(len(eb), dtype=np.int64)
+            else:
+                eb = [b for c, _ in stored for b in ids[c * bpc : (c + 1) * bpc]]
+                slots = [slot for _, slot in stored for _ in range(bpc)]
+                offs = np.tile(np.arange(bpc, dtype=np.int64), len(stored))
+            (deferred if g.kind is GroupKind.FULL_ATTENTION else fenced).extend(eb)
+            copies.append(
+                BlockCopies(
+                    group=g.index,
+                    engine_blocks=np.asarray(eb, dtype=np.int64),
+                    slots=np.asarray(slots, dtype=np.int64),
+                    offsets=offs,
                 )
+            )
         job_id = self.ledger.add_store(
-            req_id, plan.keys, fenced_block_ids=fenced, deferred_fence_block_ids=deferred
+            r.req_id, plan.keys, fenced_block_ids=fenced, deferred_fence_block_ids=deferred
         )
         return TransferJob(job_id, Direction.STORE, tuple(copies))
 
@@ -434,6 +473,7 @@ class OffloadScheduler:
         self._awaiting_final_store.clear()
         for r in self._requests.values():
             r.next_store_chunk = [0] * len(self.groups)
+            self._set_next_store(r)
         # loads still in flight keep their slots pinned until they complete
         if self._being_loaded is not None:
             self._being_loaded.clear()

@@ -141,6 +141,28 @@ class TieredStore:
         self._deferred += 1
         return LookupResult.RETRY if remote.state == _QUERYING else LookupResult.HIT_PENDING
 
+    def lookup_run(self, keys: Sequence[ChunkKey], start: int, stop: int) -> tuple[int, int]:
+        """``lookup`` over ``keys[start:stop]`` until the first MISS:
+        ``(present_end, hit_end)``, where ``keys[start:present_end]`` are all
+        present (HIT, HIT_PENDING or RETRY) and ``keys[start:hit_end]`` all
+        plain HITs (``hit_end <= present_end``)."""
+        if not self.lower and not self.min_lookups:  # host RAM only: one tight loop
+            end = self.host.readable_run(keys, start, stop)
+            self._hits += end - start
+            if end < stop:
+                self._misses += 1
+            return end, end
+        hit_end = -1
+        i = start
+        while i < stop:
+            r = self.lookup(keys[i])
+            if r is LookupResult.MISS:
+                break
+            if r is not LookupResult.HIT and hit_end < 0:
+                hit_end = i
+            i += 1
+        return i, i if hit_end < 0 else hit_end
+
     def _count_lookup(self, key: ChunkKey) -> None:
         self._lookup_counts[key] = self._lookup_counts.get(key, 0) + 1
         self._lookup_counts.move_to_end(key)
@@ -169,7 +191,7 @@ class TieredStore:
 
     def prepare_store(self, keys: Sequence[ChunkKey], tenant: str = "") -> StorePlan | None:
         """``tenant`` is charged for the new entries (see ``tenant_quotas``)."""
-        new = list(dict.fromkeys(k for k in keys if not self.host.contains(k)))
+        new = self.host.absent(keys)
         if self.min_lookups:
             new = [k for k in new if self._lookup_counts.get(k, 0) >= self.min_lookups]
         if not new:
@@ -182,18 +204,16 @@ class TieredStore:
         if evicted:
             self.metrics.inc("kvsdk_evictions_total", len(evicted), tier=0)
             self._record(EventKind.REMOVED, evicted, 0)
-        for key in new:
-            self._remote.pop(key, None)
-            if self.tenant_quotas:
-                self._store_tenant[key] = tenant
+        if self._remote:
+            for key in new:
+                self._remote.pop(key, None)
+        if self.tenant_quotas:
+            self._store_tenant.update(dict.fromkeys(new, tenant))
         return StorePlan(tuple(new), tuple(slots))
 
     def complete_store(self, keys: Sequence[ChunkKey], ok: bool = True) -> None:
-        self.host.commit(keys, ok)
+        stored = self.host.commit(keys, ok)
         tenants = [self._store_tenant.pop(k, "") for k in keys] if self._store_tenant else []
-        if not ok:
-            return
-        stored = [k for k in keys if self.host.slot_of(k) is not None]
         if not stored:
             return
         self.metrics.inc("kvsdk_stored_bytes_total", len(stored) * self._slot_bytes, tier=0)

@@ -11,7 +11,7 @@ reused are flushed first (``handle_preemptions``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -302,6 +302,14 @@ class _SchedulerSide:
             num_workers=max(1, vllm_config.parallel_config.world_size),
         )
         self.requests: dict[str, Request] = {}
+        m = self.store.metrics
+        self._transfer_hists = [
+            (
+                m.histogram("kvsdk_transfer_seconds", direction=d),
+                m.histogram("kvsdk_transfer_bytes", direction=d),
+            )
+            for d in ("load", "store")
+        ]
         self._reported: dict[str, float] = {}
         self._reported_version = -1
         self.preemptions = 0
@@ -334,29 +342,30 @@ class _SchedulerSide:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self.core.allocated(request.request_id, blocks.get_block_ids(), num_external_tokens)
+        if num_external_tokens:
+            self.core.allocated(request.request_id, blocks.get_block_ids(), num_external_tokens)
+        # else: nothing to load; the request is scheduled this step, and its
+        # blocks reach the core through build_connector_meta (new requests
+        # carry their full block lists)
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVSDKConnectorMetadata:
-        new_blocks: dict[str, list[list[int]]] = {}
-        computed: dict[str, int] = {}
+        new_blocks: dict[str, Sequence[Sequence[int]]] = {}
         resumed = set()
         for data in so.scheduled_new_reqs:
-            new_blocks[data.req_id] = [list(ids) for ids in data.block_ids]
+            new_blocks[data.req_id] = data.block_ids
             resumed.add(data.req_id)  # its full block list: replace
         cached = so.scheduled_cached_reqs
-        for rid, ids, is_resumed in zip(
-            cached.req_ids,
-            cached.new_block_ids,
-            (r in cached.resumed_req_ids for r in cached.req_ids),
-        ):
+        for rid, ids in zip(cached.req_ids, cached.new_block_ids):
             if ids is not None:
-                new_blocks[rid] = [list(g) for g in ids]
-            if is_resumed:
-                resumed.add(rid)
+                new_blocks[rid] = ids
+        resumed.update(cached.resumed_req_ids)
+        computed: dict[str, int] = {}
+        requests = self.requests
         for rid, n in so.num_scheduled_tokens.items():
-            req = self.requests.get(rid)
+            req = requests.get(rid)
             if req is not None:
-                computed[rid] = min(req.num_computed_tokens + n, req.num_tokens)
+                upto = req.num_computed_tokens + n
+                computed[rid] = upto if upto < req.num_tokens else req.num_tokens
         finished: dict[str, int] = {}
         for rid in so.finished_req_ids or ():
             req = self.requests.pop(rid, None)
@@ -386,16 +395,15 @@ class _SchedulerSide:
         results = [WorkerResult(j, True, n) for j, n in meta.completed.items()]
         results += [WorkerResult(j, False, n) for j, n in meta.failed.items()]
         self.core.worker_results(results)
-        m = self.store.metrics
-        for direction, nbytes, secs in (
-            ("load", meta.load_bytes, meta.load_seconds),
-            ("store", meta.store_bytes, meta.store_seconds),
+        for (secs_hist, bytes_hist), nbytes, secs in (
+            (self._transfer_hists[0], meta.load_bytes, meta.load_seconds),
+            (self._transfer_hists[1], meta.store_bytes, meta.store_seconds),
         ):
             if nbytes:
-                m.observe("kvsdk_transfer_seconds", secs, direction=direction)
-                m.observe("kvsdk_transfer_bytes", nbytes, direction=direction)
+                secs_hist.observe(secs)
+                bytes_hist.observe(nbytes)
         if meta.load_bytes:
-            m.inc("kvsdk_loaded_bytes_total", meta.load_bytes, tier=0)
+            self.store.metrics.inc("kvsdk_loaded_bytes_total", meta.load_bytes, tier=0)
 
     def request_finished(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -436,10 +444,11 @@ class _SchedulerSide:
 
     def stats(self) -> KVSDKConnectorStats | None:
         self.store.flush_metrics()
-        if self.store.metrics.version == self._reported_version:
+        m = self.store.metrics
+        if m.counter_version == self._reported_version:
             return None
-        self._reported_version = self.store.metrics.version
-        now = {k: v for k, v in self.store.metrics.snapshot()["counters"].items()}
+        self._reported_version = m.counter_version
+        now = m.counters()
         delta = {
             k: v - self._reported.get(k, 0.0)
             for k, v in now.items()

@@ -12,7 +12,7 @@ import yaml
 from redis_server import RedisServer, redis_server_fixture  # noqa: F401  (fixture)
 
 from kvsdk.config import load_config
-from kvsdk.keys import GroupLayout, Namespace
+from kvsdk.keys import FORMAT_VERSION, GroupLayout, Namespace
 from kvsdk.store.factory import build_store
 
 CHUNK = 4096
@@ -61,7 +61,7 @@ def test_inspect_lists_chunks_per_namespace_on_disk_and_redis(
     for tier in report[1:]:
         assert sorted(row["entries"] for row in tier["namespaces"]) == [3, 5]
         assert all(row["bytes"] >= row["entries"] * CHUNK for row in tier["namespaces"])
-    assert report[1]["namespaces"][0]["format_version"] == 1
+    assert report[1]["namespaces"][0]["format_version"] == FORMAT_VERSION
     text = subprocess.run(
         [sys.executable, "-m", "kvsdk.cli", "inspect", str(cfg)],
         capture_output=True,

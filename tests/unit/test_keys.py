@@ -101,11 +101,11 @@ def test_keys_are_pinned_to_known_values() -> None:
     ns = Namespace("m", "float16", (GroupLayout((2, 16, 64), "float16"),), 16)
     hashes = token_chunk_hashes(list(range(32)), 16)
     keys = chunk_keys(ns.fingerprint, hashes, 0)
-    assert FORMAT_VERSION == 1
+    assert FORMAT_VERSION == 2
     assert [k.hex() for k in keys] == _GOLDEN_KEYS
 
 
-_GOLDEN_KEYS = ["67304cd7325e8eae20bf0cd5a6e4c611", "53f6dfbfd13200e44ae43b626f84a495"]
+_GOLDEN_KEYS = ["721b44365177e03db5ae252192009c0c", "8744b718c5d0c84ad5f9cb99c7403920"]
 
 
 @pytest.mark.parametrize(
@@ -212,3 +212,14 @@ def test_same_chunk_content_after_different_prefixes_hashes_differently() -> Non
     a = token_chunk_hashes([1] * TPC + chunk, TPC)
     b = token_chunk_hashes([2] * TPC + chunk, TPC)
     assert a[1] != b[1]
+
+
+def test_short_engine_hashes_still_get_namespaced_keys() -> None:
+    """Hashes under 16 bytes cannot be masked: they are hashed again, keyed."""
+    a = Namespace("m", "float16", (GroupLayout((2, 16, 64), "float16"),), 16)
+    b = a.with_tenant("other")
+    short = b"\x01\x02\x03\x04\x05\x06\x07\x08"
+    ka, kb = chunk_key(a.fingerprint, short, 0), chunk_key(b.fingerprint, short, 0)
+    assert len(ka) == len(kb) == 16
+    assert ka != kb
+    assert chunk_keys(a.fingerprint, [short], 0) == [ka]

@@ -50,6 +50,16 @@ class Case:
     def lookup(self, k: bytes) -> LookupResult:
         return self.status.get(k, M)
 
+    def lookup_run(self, keys: list[bytes], start: int, stop: int) -> tuple[int, int]:
+        """The contract of ``TieredStore.lookup_run``, spelled out key by key."""
+        present = start
+        while present < stop and self.lookup(keys[present]) is not M:
+            present += 1
+        hit = start
+        while hit < present and self.lookup(keys[hit]) is H:
+            hit += 1
+        return present, hit
+
 
 def oracle(case: Case) -> int | None:
     """Largest boundary valid for every group, by trying them all."""
@@ -143,13 +153,14 @@ def cases(draw: st.DrawFn, *, uncertain: bool) -> Case:
     )
 
 
-def run(case: Case) -> int | None:
+def run(case: Case, *, with_runs: bool = False) -> int | None:
     planner = LookupPlanner(case.groups, mamba_align_tokens=case.mamba_align)
     plan = planner.plan(
         case.request(),
         case.lookup,
         max_num_new_tokens=case.max_new,
         being_loaded=case.being_loaded,
+        lookup_run=case.lookup_run if with_runs else None,
     )
     return None if plan is None else plan.num_hit_tokens
 
@@ -164,6 +175,33 @@ def test_planner_matches_oracle_for_definite_answers(case: Case) -> None:
 @given(cases(uncertain=True))
 def test_planner_matches_oracle_with_pending_retry_and_loading_chunks(case: Case) -> None:
     assert run(case) == oracle(case)
+
+
+@st.composite
+def prefix_only_cases(draw: st.DrawFn) -> Case:
+    """Full-attention groups without EAGLE: the planner's one-run-per-group path."""
+    case = draw(cases(uncertain=True))
+    case.groups = [
+        KVGroupSpec(g.index, GroupKind.FULL_ATTENTION, g.tokens_per_block, g.blocks_per_chunk)
+        for g in case.groups
+    ]
+    case.mamba_align = None
+    for g in case.groups:  # re-draw the statuses of keys the original kinds left short
+        for c in range(case.num_tokens // g.tokens_per_chunk):
+            case.status.setdefault(key(g.index, c), draw(st.sampled_from([H, H, M, P, R])))
+    return case
+
+
+@settings(max_examples=1500, deadline=None)
+@given(prefix_only_cases())
+def test_prefix_run_path_matches_oracle(case: Case) -> None:
+    assert run(case, with_runs=True) == oracle(case) == run(case)
+
+
+@settings(max_examples=500, deadline=None)
+@given(cases(uncertain=True))
+def test_lookup_run_is_ignored_where_groups_need_more_than_a_prefix(case: Case) -> None:
+    assert run(case, with_runs=True) == oracle(case)
 
 
 def full(i: int = 0, tpb: int = 4, bpc: int = 1, eagle: bool = False) -> KVGroupSpec:
