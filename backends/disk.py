@@ -16,14 +16,23 @@ Contract with the tiered store (bytes in, bytes out; framing is ours):
   ``None``. A frame that fails verification is a miss: counted, and the file
   deleted. ``get_into(keys, slots)`` does the same straight into caller
   buffers (no allocation, no copy): the fast way to promote into a host tier.
+- Scatter/gather: ``put_parts`` writes a payload given as a list of buffers
+  (a page lying in several regions of host memory) with one ``writev``, and
+  ``get_into_parts`` reads one into a list of buffers with ``readv``; the
+  checksum is computed over the parts in order, so the frame on disk is the
+  same as ``put`` of the joined bytes and is verified the same way.
 - ``exists`` / ``get`` look at the file system, not only at the index, so
   entries written by another process sharing the directory are found, and
   entries it evicted are misses.
 
-The index (key -> file size, in LRU order) is rebuilt from the directory at
-start, oldest ``mtime`` first; hits refresh the file's ``mtime`` so the order
-survives restarts. Capacity is enforced over the entries this instance knows
-of (its scan, its writes, the other processes' entries it has seen).
+The index (key -> file size, in LRU order) is kept in memory: hits move an
+entry to the front without a system call. It is rebuilt from the directory at
+start, oldest ``mtime`` first; so that the order roughly survives restarts, a
+hit also refreshes the file's ``mtime``, but at most once per
+``MTIME_REFRESH_SECONDS`` per file (the ``fstat`` every read does tells its
+age, so a hot file costs no extra call). Capacity is enforced over the
+entries this instance knows of (its scan, its writes, the other processes'
+entries it has seen).
 
 Thread-safe: the tiered store calls it from several I/O threads. Index and
 policy updates happen under one lock; file I/O happens outside it (optionally
@@ -70,6 +79,10 @@ _ENTRY_RE = re.compile(r"^[0-9a-f]{32}\.kvc$")
 _TMP_PREFIX = ".tmp."
 STALE_TMP_SECONDS = 3600.0
 """Temp files older than this are left-overs of a crashed writer; removed at start."""
+MTIME_REFRESH_SECONDS = 60.0
+"""A hit refreshes a file's ``mtime`` (LRU order across restarts) when it is older."""
+IOV_MAX = 1024
+"""Most buffers one ``readv``/``writev`` call takes (Linux ``UIO_MAXIOV``)."""
 _ERRNO_STAT = {errno.ENOSPC: "enospc", errno.EACCES: "eacces", errno.EPERM: "eacces",
                errno.EROFS: "erofs", errno.EDQUOT: "enospc"}  # fmt: skip
 _T = TypeVar("_T")
@@ -277,10 +290,22 @@ class DiskBackend(Backend):
         (a writable buffer it must fill exactly, e.g. a host-tier slot): no
         allocation, no copy. Where the answer is False the destination's
         contents are undefined; an entry of another size is a miss."""
-        return [v is not None for v in self._map(self._load, list(zip(keys, outs)))]
+        items = [(k, [o]) for k, o in zip(keys, outs)]
+        return [v is not None for v in self._map(self._load, items)]
 
-    def _load(self, item: tuple[ChunkKey, memoryview | None]) -> memoryview | None:
-        key, out = item
+    def get_into_parts(
+        self, keys: Sequence[ChunkKey], outs: Sequence[Sequence[memoryview]]
+    ) -> list[bool]:
+        """Like :meth:`get_into`, each payload read with one ``readv`` straight
+        into the buffers ``outs[i]`` in order (their sizes must add up to the
+        payload's); verified over all the parts, no copy."""
+        items = [(k, list(parts)) for k, parts in zip(keys, outs)]
+        return [v is not None for v in self._map(self._load, items)]
+
+    def _load(self, item: tuple[ChunkKey, list[memoryview] | None]) -> memoryview | None:
+        """The verified payload of ``key`` (read into ``outs`` when given; then
+        ``outs[0]`` or an empty view stands for the hit), or None for a miss."""
+        key, outs = item
         path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -292,17 +317,19 @@ class DiskBackend(Backend):
                 self._forget_locked(key)
             self._count("misses")
             return None
+        header = bytearray(HEADER_SIZE)
         try:
-            size = os.fstat(fd).st_size
-            if out is not None and size == HEADER_SIZE + out.nbytes:
-                header = bytearray(HEADER_SIZE)
-                _readv_all(fd, [memoryview(header), out])
-                direct = True
+            st = os.fstat(fd)
+            size = st.st_size
+            direct = outs is not None and size == HEADER_SIZE + sum(o.nbytes for o in outs)
+            if direct:
+                assert outs is not None
+                _readv_all(fd, [memoryview(header), *outs])
             else:
                 whole = _read_whole(fd, size)
-                direct = False
-            with contextlib.suppress(OSError):  # read-only mount: fine
-                os.utime(fd)  # LRU order that survives restarts
+            if time.time() - st.st_mtime > MTIME_REFRESH_SECONDS:
+                with contextlib.suppress(OSError):  # read-only mount: fine
+                    os.utime(fd)  # LRU order that survives restarts (coarse)
         except OSError as exc:
             self._count("read_errors", "misses")
             self._burst.warning("read", "disk tier: cannot read %s: %s", path, exc.strerror)
@@ -311,9 +338,9 @@ class DiskBackend(Backend):
             os.close(fd)
         try:
             if direct:
-                assert out is not None
-                verify_chunk(header, out, namespace_fp=self._ns, key=key)
-                payload = out
+                assert outs is not None
+                verify_chunk(header, outs, namespace_fp=self._ns, key=key)
+                payload = outs[0] if outs else memoryview(b"")
             else:
                 payload = decode_chunk(whole, namespace_fp=self._ns, key=key)
         except UnverifiableChunk as exc:
@@ -332,7 +359,7 @@ class DiskBackend(Backend):
             else:  # stored by another process
                 self._add_locked(key, size)
                 victims = self._victims_locked(0)
-            fits = out is None or direct
+            fits = outs is None or direct
             self._counters["hits" if fits else "misses"] += 1
         self._unlink_all(victims)
         return payload if fits else None
@@ -340,11 +367,22 @@ class DiskBackend(Backend):
     def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
         return self._map(self._put_one, items)
 
+    def put_parts(self, items: Sequence[tuple[ChunkKey, Sequence[memoryview]]]) -> list[bool]:
+        """Like :meth:`put` of the joined parts (the same frame on disk), written
+        with one ``writev`` from the parts as they are: no join, no copy."""
+        return self._map(self._put_one, [(k, _flat_parts(parts)) for k, parts in items])
+
     def _put_one(self, item: tuple[ChunkKey, Any]) -> bool:
         key, value = item
-        flat, dtype, shape = as_payload(value)
-        header = encode_header(self._ns, key, flat, dtype, shape)
-        size = len(header) + flat.nbytes
+        if isinstance(value, list):  # from put_parts: flat byte views
+            parts: list[memoryview] = value
+            nbytes = sum(p.nbytes for p in parts)
+            header = encode_header(self._ns, key, parts, "|u1", (nbytes,))
+        else:
+            flat, dtype, shape = as_payload(value)
+            parts, nbytes = [flat], flat.nbytes
+            header = encode_header(self._ns, key, flat, dtype, shape)
+        size = len(header) + nbytes
         path = self._path(key)
         try:
             present: int | None = os.stat(path).st_size  # ours or another process's
@@ -379,7 +417,7 @@ class DiskBackend(Backend):
         if not ok:
             return False
         try:
-            self._write_file(path, header, flat)
+            self._write_file(path, header, parts)
         except OSError as exc:
             kind = _ERRNO_STAT.get(exc.errno or 0, "other_errors")
             self._count(f"put_{kind}", "put_failures")
@@ -395,7 +433,7 @@ class DiskBackend(Backend):
             self._counters["puts"] += 1
         return True
 
-    def _write_file(self, path: str, header: bytes, payload: memoryview) -> None:
+    def _write_file(self, path: str, header: bytes, payload: list[memoryview]) -> None:
         directory = os.path.dirname(path)
         self._makedirs(directory)
         tmp = os.path.join(
@@ -405,7 +443,7 @@ class DiskBackend(Backend):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
-                _write_all(fd, header, payload)
+                _write_all(fd, [memoryview(header), *payload])
                 if self.options.fsync:
                     os.fsync(fd)
             finally:
@@ -543,32 +581,44 @@ def _read_whole(fd: int, size: int) -> bytes:
     return data
 
 
+def _flat_parts(parts: Sequence[Any]) -> list[memoryview]:
+    """Flat byte views of the parts of a payload (no copy)."""
+    out = []
+    for p in parts:
+        mv = memoryview(p)
+        out.append(mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B"))
+    return out
+
+
 def _readv_all(fd: int, parts: list[memoryview]) -> None:
-    """Fill ``parts`` from ``fd``; a short file leaves the rest unfilled (the
-    frame check then fails on the checksum)."""
-    parts = [p for p in parts if p.nbytes]
-    while parts:
-        n = os.readv(fd, parts)
+    """Fill ``parts`` from ``fd`` (at most ``IOV_MAX`` per call); a short file
+    leaves the rest unfilled (the frame check then fails on the checksum)."""
+    todo = [p for p in parts if p.nbytes]
+    i = 0
+    while i < len(todo):
+        n = os.readv(fd, todo[i : i + IOV_MAX])
         if n == 0:
             return
-        while parts and n >= parts[0].nbytes:
-            n -= parts[0].nbytes
-            parts.pop(0)
-        if parts and n:
-            parts[0] = parts[0][n:]
+        while i < len(todo) and n >= todo[i].nbytes:
+            n -= todo[i].nbytes
+            i += 1
+        if n:
+            todo[i] = todo[i][n:]
 
 
-def _write_all(fd: int, header: bytes, payload: memoryview) -> None:
-    parts = [memoryview(header), payload]
-    while parts:
-        n = os.writev(fd, parts)
+def _write_all(fd: int, parts: list[memoryview]) -> None:
+    """Write ``parts`` in order (at most ``IOV_MAX`` per ``writev``), retrying short writes."""
+    todo = [p for p in parts if p.nbytes]
+    i = 0
+    while i < len(todo):
+        n = os.writev(fd, todo[i : i + IOV_MAX])
         if n == 0:
             raise OSError(errno.EIO, "write made no progress")
-        while parts and n >= len(parts[0]):
-            n -= len(parts[0])
-            parts.pop(0)
-        if parts and n:
-            parts[0] = parts[0][n:]
+        while i < len(todo) and n >= todo[i].nbytes:
+            n -= todo[i].nbytes
+            i += 1
+        if n:
+            todo[i] = todo[i][n:]
 
 
 @hookimpl

@@ -136,13 +136,19 @@ def as_payload(payload: Any) -> tuple[memoryview, str, tuple[int, ...]]:
 def encode_header(
     namespace_fp: bytes,
     key: bytes,
-    payload: memoryview,
+    payload: memoryview | Sequence[memoryview],
     dtype: str,
     shape: Sequence[int],
     *,
     checksum: int = DEFAULT_CHECKSUM,
 ) -> bytes:
-    """The header for a flat byte ``payload``; write it followed by the payload."""
+    """The header for a flat byte ``payload``; write it followed by the payload.
+
+    ``payload`` may be a list of flat byte views whose concatenation is the
+    payload (scatter/gather I/O: a page that lies in several regions of host
+    memory); the checksum is computed over the parts in order, no copy."""
+    parts = _parts(payload)
+    nbytes = sum(p.nbytes for p in parts)
     if len(namespace_fp) != FP_BYTES or len(key) != KEY_BYTES:
         raise ValueError("namespace fingerprint and key must be 16 bytes each")
     if len(shape) > MAX_NDIM or any(d < 0 for d in shape):
@@ -151,17 +157,22 @@ def encode_header(
     count = 1
     for d in shape:
         count *= d
-    if count * itemsize != payload.nbytes:
-        raise ValueError(f"{payload.nbytes} payload bytes do not match {dtype} x {tuple(shape)}")
+    if count * itemsize != nbytes:
+        raise ValueError(f"{nbytes} payload bytes do not match {dtype} x {tuple(shape)}")
     dims = [*shape, *([0] * (MAX_NDIM - len(shape)))]
     prefix = _HEADER.pack(
         MAGIC, FORMAT_VERSION, checksum, len(shape), dtype.encode("ascii"),
-        namespace_fp, key, *dims, payload.nbytes, bytes(16),
+        namespace_fp, key, *dims, nbytes, bytes(16),
     )[:_CHECKED_PREFIX]  # fmt: skip
     h = _hasher(checksum)
     h.update(prefix)
-    h.update(payload)
+    for part in parts:
+        h.update(part)
     return prefix + h.digest()
+
+
+def _parts(payload: memoryview | Sequence[memoryview]) -> Sequence[memoryview]:
+    return (payload,) if isinstance(payload, memoryview) else payload
 
 
 def encode_chunk(
@@ -239,7 +250,7 @@ def parse_header(buf: Any, payload_nbytes: int | None = None) -> ChunkHeader:
 def _check(
     header: ChunkHeader,
     header_buf: memoryview,
-    payload: memoryview,
+    payload: Sequence[memoryview],
     namespace_fp: bytes,
     key: bytes,
 ) -> None:
@@ -249,7 +260,8 @@ def _check(
         raise CorruptChunk("key mismatch")
     h = _hasher(header.checksum_algorithm)
     h.update(header_buf[:_CHECKED_PREFIX])
-    h.update(payload)
+    for part in payload:
+        h.update(part)
     if h.digest() != header.checksum:
         raise CorruptChunk("checksum mismatch")
 
@@ -260,14 +272,19 @@ def decode_chunk(buf: Any, *, namespace_fp: bytes, key: bytes) -> memoryview:
     mv = _view(buf)
     header = parse_header(mv)
     payload = mv[HEADER_SIZE:]
-    _check(header, mv, payload, namespace_fp, key)
+    _check(header, mv, (payload,), namespace_fp, key)
     return payload
 
 
 def verify_chunk(header_buf: Any, payload: Any, *, namespace_fp: bytes, key: bytes) -> ChunkHeader:
     """Check a frame whose header and payload were read into separate buffers
-    (e.g. the payload straight into its destination); :class:`CorruptChunk` otherwise."""
-    head, body = _view(header_buf), _view(payload)
-    header = parse_header(head[:HEADER_SIZE], len(body))
+    (e.g. the payload straight into its destination); :class:`CorruptChunk` otherwise.
+
+    ``payload`` may be a list of buffers whose concatenation is the payload
+    (a scattered read into several regions); every part is covered by the
+    checksum, and the length is their total."""
+    head = _view(header_buf)
+    body = [_view(p) for p in payload] if isinstance(payload, list | tuple) else [_view(payload)]
+    header = parse_header(head[:HEADER_SIZE], sum(len(p) for p in body))
     _check(header, head, body, namespace_fp, key)
     return header

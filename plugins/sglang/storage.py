@@ -29,10 +29,14 @@ What SGLang asks, and what kvsdk does:
 - ``batch_get_v1`` / ``batch_set_v1`` move pages between the tiers and the
   host pool's page regions (``get_page_buffer_meta``). A page that is one
   region (MLA ``page_first``/``page_first_direct``) is read with the tier's
-  ``get_into`` straight into host memory and written from it, no copy; a page
-  of several regions (MHA: K and V, per layer for ``layer_first``) goes
-  through one reusable staging buffer per thread: one vectorized row copy
-  per batch between it and the host pool.
+  ``get_into`` straight into host memory and written from it, no copy. A page
+  of several regions (MHA: K and V, per layer for ``layer_first``) is passed
+  as the list of its regions (views of the host pool) to a tier with
+  scatter/gather I/O (``put_parts`` / ``get_into_parts``: the disk tier writes
+  them with one ``writev`` and reads them with one ``readv``, checksummed over
+  the parts), again no copy; for other tiers it goes through one reusable
+  staging buffer per thread: one vectorized row copy per batch between it and
+  the host pool.
 - ``batch_exists`` counts the leading stored pages with kvsdk's planner.
 - Reads walk the tiers in order; a page found in a lower tier is copied up to
   the tiers above it in the background. Writes go through to every tier; a
@@ -243,11 +247,16 @@ class _Pages:
     """
 
     def __init__(
-        self, addrs: np.ndarray, sizes: tuple[int, ...], pool: tuple[np.ndarray, int] | None
+        self,
+        addrs: np.ndarray,
+        sizes: tuple[int, ...],
+        pool: tuple[np.ndarray, int] | None,
+        mem: tuple[memoryview, int] | None = None,
     ) -> None:
         self.addrs = addrs  # (n, r) int64
         self.sizes = sizes
         self.page_bytes = sum(sizes)
+        self.mem = mem  # the host pool's bytes and their address (for region views)
         self.rows: np.ndarray | None = None
         self.pool_rows: np.ndarray | None = None
         if pool is not None and len(set(sizes)) == 1:
@@ -269,6 +278,7 @@ class _Pages:
         out = _Pages.__new__(_Pages)
         sel = np.asarray(idx, dtype=np.int64)
         out.addrs, out.sizes, out.page_bytes = self.addrs[sel], self.sizes, self.page_bytes
+        out.mem = self.mem
         out.rows = None if self.rows is None else self.rows[sel]
         out.pool_rows = self.pool_rows
         return out
@@ -276,7 +286,21 @@ class _Pages:
     def views(self) -> list[memoryview]:
         """Each page as one writable view of host memory (one-region pages only)."""
         assert self.addrs.shape[1] == 1
-        return [_host_view(int(a), self.page_bytes) for a in self.addrs[:, 0]]
+        return [regions[0] for regions in self.parts()]
+
+    def parts(self) -> list[list[memoryview]]:
+        """Each page as writable views of its regions, in address order (no copy):
+        slices of the host pool's buffer, or views made from the addresses."""
+        if self.mem is not None and self.addrs.size:
+            mem, base = self.mem
+            off = self.addrs - base
+            end = off + np.asarray(self.sizes, dtype=np.int64)
+            if bool((off >= 0).all()) and bool((end <= mem.nbytes).all()):
+                return [
+                    [mem[a:b] for a, b in zip(starts, stops)]
+                    for starts, stops in zip(off.tolist(), end.tolist())
+                ]
+        return [[_host_view(a, s) for a, s in zip(row, self.sizes)] for row in self.addrs.tolist()]
 
     def gather(self, dst: np.ndarray) -> None:
         """Copy the pages, concatenated, into ``dst`` (uint8, ``len * page_bytes``)."""
@@ -386,6 +410,7 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         self._corrupt_seen: list[float] = []
         self._planner: LookupPlanner | None = None
         self._pool_rows: tuple[np.ndarray, int] | None = None
+        self._pool_mem: tuple[memoryview, int] | None = None
         self._promoter: ThreadPoolExecutor | None = None
         self._promotions = 0
         self._sglang_stats: dict[str, list[float]] = {
@@ -413,6 +438,7 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         self._corrupt_seen = [self._tier_counter(t, "corrupt") for t in range(len(self.tiers))]
         self._planner = LookupPlanner([KVGroupSpec(index=0, tokens_per_block=geom.page_tokens)])
         self._pool_rows = _pool_rows(mem_pool_host, geom)
+        self._pool_mem = _pool_mem(mem_pool_host)
         if len(self.tiers) > 1:
             self._promoter = ThreadPoolExecutor(1, thread_name_prefix="kvsdk-sglang-promote")
         log.info(
@@ -699,7 +725,7 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         if not bool((got == np.asarray(geom.region_sizes, dtype=np.int64)).all()):
             raise ValueError("page regions differ from the registered geometry")
         addrs = np.asarray(ptrs, dtype=np.int64).reshape(n, r)[:, order]
-        return _Pages(addrs, geom.region_sizes, self._pool_rows)
+        return _Pages(addrs, geom.region_sizes, self._pool_rows, self._pool_mem)
 
     def _staging(self, nbytes: int) -> np.ndarray:
         buf: np.ndarray | None = getattr(self._local, "staging", None)
@@ -749,6 +775,9 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             if get_into is not None and pages.addrs.shape[1] == 1:
                 # one region per page: straight into place, no copy
                 ok = [bool(x) for x in get_into(keys, pages.views())]
+            elif _scatter_gather(tier):
+                # several regions per page: one scattered read into them, no copy
+                ok = [bool(x) for x in tier.get_into_parts(keys, pages.parts())]
             elif get_into is not None:
                 pb = pages.page_bytes
                 staging = self._staging(len(keys) * pb)
@@ -822,6 +851,9 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
     def _write_pages(self, ckeys: list[ChunkKey], pages: _Pages) -> list[bool]:
         if pages.addrs.shape[1] == 1:  # one region per page: stored straight from host memory
             return self._write_payloads(ckeys, pages.views())
+        if any(_scatter_gather(tier) for tier in self.tiers):
+            # several regions per page: written from them as they are (gathered by the tier)
+            return self._write_payloads(ckeys, pages.parts())
         out: list[bool] = []
         pb = pages.page_bytes
         step = max(1, STAGING_BYTES // pb)
@@ -834,17 +866,23 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         return out
 
     def _write_payloads(
-        self, ckeys: list[ChunkKey], payloads: list[memoryview], *, tiers: range | None = None
+        self,
+        ckeys: list[ChunkKey],
+        payloads: list[memoryview] | list[list[memoryview]],
+        *,
+        tiers: range | None = None,
     ) -> list[bool]:
-        """Write through to every tier (or ``tiers``); per key whether one took it."""
+        """Write through to every tier (or ``tiers``); per key whether one took it.
+        A payload may be the list of a page's regions (``put_parts``)."""
         assert self.geometry is not None
         stored = [False] * len(ckeys)
-        items = list(zip(ckeys, payloads))
+        items: list[Any] = list(zip(ckeys, payloads))
+        in_parts = bool(payloads) and isinstance(payloads[0], list)
         for t in tiers if tiers is not None else range(len(self.tiers)):
             tier = self.tiers[t]
             start = time.perf_counter()
             try:
-                ok = [bool(x) for x in tier.put(items)]
+                ok = [bool(x) for x in (tier.put_parts if in_parts else tier.put)(items)]
             except Exception as exc:
                 self._tier_failure(t, "put", exc)
                 ok = [False] * len(items)
@@ -955,6 +993,24 @@ def _pool_rows(host_pool: Any, geom: PageGeometry) -> tuple[np.ndarray, int] | N
         return None
     flat = buf.reshape(-1).view(torch.uint8).numpy()
     return flat.reshape(-1, row), int(buf.data_ptr())
+
+
+def _pool_mem(host_pool: Any) -> tuple[memoryview, int] | None:
+    """The host pool's whole buffer as one writable byte view, with its address."""
+    buf = getattr(host_pool, "kv_buffer", None)
+    if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or not buf.is_contiguous():
+        return None
+    flat = buf.reshape(-1).view(torch.uint8).numpy()
+    return flat.data, int(buf.data_ptr())
+
+
+def _scatter_gather(tier: Backend) -> bool:
+    """Whether the tier does scatter/gather I/O itself (not the base class's copies)."""
+    cls = type(tier)
+    return (
+        getattr(cls, "put_parts", None) is not Backend.put_parts
+        and getattr(cls, "get_into_parts", None) is not Backend.get_into_parts
+    )
 
 
 def _scatter(src: int, page: list[tuple[int, int]]) -> None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import multiprocessing as mp
 import os
 import stat
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,8 @@ import pytest
 from redis_server import missing_tool
 
 from kvsdk import plugins_manager
-from kvsdk.backend import TierContext
-from kvsdk.backends.disk import STALE_TMP_SECONDS, DiskBackend, DiskOptions
+from kvsdk.backend import Backend, Buffer, TierContext
+from kvsdk.backends.disk import MTIME_REFRESH_SECONDS, STALE_TMP_SECONDS, DiskBackend, DiskOptions
 from kvsdk.chunk_format import HEADER_SIZE, encode_chunk
 from kvsdk.config import load_config
 from kvsdk.eviction import ARCPolicy
@@ -155,6 +156,174 @@ def test_get_into_a_corrupt_entry_is_false_and_deleted(tmp_path: Path) -> None:
     slot = np.zeros(CHUNK, dtype=np.uint8)
     assert b.get_into([key(1)], [slot.data]) == [False]
     assert not f.exists() and b.stats()["corrupt"] == 1
+
+
+# -- scatter/gather (put_parts / get_into_parts) ----------------------------------------------
+
+
+def split(data: bytes, cuts: list[int]) -> list[memoryview]:
+    """``data`` as separate buffers (copies) cut at ``cuts``."""
+    edges = [0, *cuts, len(data)]
+    return [memoryview(bytearray(data[a:b])) for a, b in itertools.pairwise(edges)]
+
+
+def scattered(sizes: list[int], gap: int = 64) -> tuple[np.ndarray, list[memoryview]]:
+    """Writable regions of these sizes inside one larger buffer, with gaps
+    between them (like a page's K and V regions in a host pool)."""
+    pool = np.full(sum(sizes) + gap * (len(sizes) + 1), 0xEE, dtype=np.uint8)
+    views, off = [], gap
+    for n in sizes:
+        views.append(pool[off : off + n].data)
+        off += n + gap
+    return pool, views
+
+
+def test_put_parts_writes_the_same_frame_as_put_of_the_joined_bytes(tmp_path: Path) -> None:
+    b = disk(tmp_path, shards=1)
+    b.put_parts([(key(1), split(payload(1), [100, 1000, 3000]))])
+    b.put([(key(2), payload(2))])
+    f1, f2 = entry_file(tmp_path, key(1)), entry_file(tmp_path, key(2))
+    assert f1.read_bytes() == encode_chunk(NS, key(1), payload(1))
+    assert f2.read_bytes() == encode_chunk(NS, key(2), payload(2))
+    assert b.get([key(1)]) == [payload(1)]
+    # typed (non-byte) views are taken as their bytes
+    words = np.frombuffer(payload(3), dtype=np.uint16)
+    b.put_parts([(key(3), [memoryview(words[:512]), memoryview(words[512:])])])
+    assert b.get([key(3)]) == [payload(3)] and b.stats()["puts"] == 3
+    assert b.put_parts([(key(1), split(payload(1), [5]))]) == [True]  # present: not rewritten
+    assert b.stats()["put_skipped_present"] == 1
+
+
+def test_get_into_parts_reads_into_scattered_regions(tmp_path: Path) -> None:
+    b = disk(tmp_path, io_threads=2)
+    b.put([(key(i), payload(i)) for i in range(3)])
+    sizes = [1024, 1024, 2048]
+    pools, outs = zip(*(scattered(sizes) for _ in range(5)))
+    ok = b.get_into_parts([key(0), key(1), key(2), key(7), key(1)], [*outs[:4], outs[4][:2]])
+    assert ok == [True, True, True, False, False]  # missing; parts of another total size
+    for i in range(3):
+        assert b"".join(bytes(v) for v in outs[i]) == payload(i)
+        gaps = np.ones(pools[i].size, dtype=bool)
+        for v in outs[i]:
+            start = np.frombuffer(v, dtype=np.uint8).ctypes.data - pools[i].ctypes.data
+            gaps[start : start + v.nbytes] = False
+        assert (pools[i][gaps] == 0xEE).all(), "nothing written outside the regions"
+    assert b.exists([key(1)]) == [True], "a valid entry of another size is kept"
+    assert b.stats()["hits"] == 3 and b.stats()["corrupt"] == 0
+
+
+def test_more_parts_than_one_system_call_takes(tmp_path: Path) -> None:
+    b = disk(tmp_path)
+    n = 2500  # > IOV_MAX (1024): several writev / readv calls
+    data = payload(5, 4 * n)
+    assert b.put_parts([(key(5), split(data, list(range(4, 4 * n, 4))))]) == [True]
+    assert b.get([key(5)]) == [data]
+    _, outs = scattered([4] * n, gap=4)
+    assert b.get_into_parts([key(5)], [outs]) == [True]
+    assert b"".join(bytes(v) for v in outs) == data
+
+
+def test_get_into_parts_a_corrupted_part_is_a_miss_and_deleted(tmp_path: Path) -> None:
+    b = disk(tmp_path)
+    b.put_parts([(key(i), split(payload(i), [1024, 2048])) for i in (1, 2)])
+    f = entry_file(tmp_path, key(1))
+    data = bytearray(f.read_bytes())
+    data[HEADER_SIZE + 1500] ^= 0x01  # inside the second part
+    f.write_bytes(data)
+    outs = [scattered([1024, 1024, 2048])[1] for _ in range(2)]
+    assert b.get_into_parts([key(1), key(2)], outs) == [False, True]
+    assert b"".join(bytes(v) for v in outs[1]) == payload(2)
+    assert not f.exists() and b.stats()["corrupt"] == 1 and b.exists([key(1)]) == [False]
+
+
+def test_get_into_parts_a_truncated_file_is_a_miss_and_deleted(tmp_path: Path) -> None:
+    b = disk(tmp_path)
+    b.put([(key(1), payload(1))])
+    f = entry_file(tmp_path, key(1))
+    os.truncate(f, HEADER_SIZE + 3000)
+    _, outs = scattered([1024, 3072])
+    assert b.get_into_parts([key(1)], [outs]) == [False]
+    assert not f.exists() and b.stats()["corrupt"] == 1
+
+
+def test_get_into_parts_a_file_shrinking_during_the_read_is_a_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The size the read trusts comes from ``fstat``; a file truncated right
+    after it (another process) leaves parts unfilled, and the checksum fails."""
+    b = disk(tmp_path)
+    b.put([(key(1), payload(1)), (key(2), payload(2))])
+    f = entry_file(tmp_path, key(1))
+    real_fstat = os.fstat
+
+    def fstat_then_shrink(fd: int) -> os.stat_result:
+        st = real_fstat(fd)
+        if st.st_size == f.stat().st_size and os.path.samestat(st, f.stat()):
+            os.truncate(f, HEADER_SIZE + 2000)  # after the size was read
+        return st
+
+    monkeypatch.setattr(os, "fstat", fstat_then_shrink)
+    _, outs = scattered([1024, 3072])
+    assert b.get_into_parts([key(1)], [outs]) == [False]
+    monkeypatch.undo()
+    assert not f.exists() and b.stats()["corrupt"] == 1
+    _, outs = scattered([1024, 3072])
+    assert b.get_into_parts([key(2)], [outs]) == [True]
+
+
+def test_get_into_parts_a_frame_of_another_key_is_a_miss(tmp_path: Path) -> None:
+    b = disk(tmp_path)
+    b.put([(key(1), payload(1))])
+    f = entry_file(tmp_path, key(1))
+    f.write_bytes(encode_chunk(NS, key(7), payload(1)))  # right size, wrong key
+    _, outs = scattered([2048, 2048])
+    assert b.get_into_parts([key(1)], [outs]) == [False]
+    assert not f.exists() and b.stats()["corrupt"] == 1
+
+
+class DictBackend(Backend):
+    """A backend without scatter/gather I/O: the base class's defaults apply."""
+
+    def __init__(self) -> None:
+        self.data: dict[bytes, bytes] = {}
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return [k in self.data for k in keys]
+
+    def get(self, keys: Sequence[bytes]) -> list[Buffer | None]:
+        return [self.data.get(k) for k in keys]
+
+    def put(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
+        self.data.update((k, bytes(v)) for k, v in items)
+        return [True] * len(items)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return sum(self.data.pop(k, None) is not None for k in keys)
+
+    def clear(self) -> None:
+        self.data.clear()
+
+
+def test_backend_defaults_join_and_split_the_parts() -> None:
+    b = DictBackend()
+    assert b.put_parts([(key(1), split(payload(1), [7, 2000]))]) == [True]
+    assert b.data[key(1)] == payload(1)
+    _, outs = scattered([96, 4000])
+    _, short = scattered([96, 3999])
+    assert b.get_into_parts([key(1), key(2), key(1)], [outs, outs, short]) == [True, False, False]
+    assert b"".join(bytes(v) for v in outs) == payload(1)
+
+
+def test_hits_refresh_the_mtime_only_of_files_not_touched_lately(tmp_path: Path) -> None:
+    b = disk(tmp_path)
+    b.put([(key(i), payload(i)) for i in range(2)])
+    recent, old = time.time() - 10, time.time() - MTIME_REFRESH_SECONDS - 100
+    os.utime(entry_file(tmp_path, key(0)), (recent, recent))
+    os.utime(entry_file(tmp_path, key(1)), (old, old))
+    _, outs = scattered([CHUNK])
+    assert b.get([key(0)]) == [payload(0)] and b.get_into_parts([key(1)], [outs]) == [True]
+    assert entry_file(tmp_path, key(0)).stat().st_mtime == pytest.approx(recent)
+    assert entry_file(tmp_path, key(1)).stat().st_mtime > time.time() - 60
 
 
 # -- capacity and restart ---------------------------------------------------------------------
