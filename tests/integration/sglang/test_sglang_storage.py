@@ -34,6 +34,8 @@ from sglang_rig import (
     tokens_for,
 )
 
+from kvsdk.backend import Backend
+from kvsdk.backends.disk import DiskBackend
 from kvsdk.chunk_format import HEADER_SIZE
 from kvsdk.config import ConfigError
 from kvsdk.events import EventKind
@@ -133,7 +135,7 @@ def test_hits_after_a_gap_do_not_count(make_rig: Any, tmp_path: Path) -> None:
     assert rig.storage.batch_exists([hashes[0], "ab" * 32, *hashes[2:]]) == 1
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_head"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_head"])
 def test_generic_path_and_v1_read_each_others_pages(
     make_rig: Any, tmp_path: Path, layout: str
 ) -> None:
@@ -161,6 +163,7 @@ def test_region_by_region_copies_match_the_vectorized_ones(
 ) -> None:
     rig = kvsdk_rig(make_rig, tmp_path, layout="layer_first", **geometry)
     storage = rig.storage
+    storage.tiers[0].__class__ = DiskWithoutScatterGather  # the staging paths
     assert storage._pool_rows is not None  # SGLang's pools take the vectorized path
     a, b = rig.hashes(tokens_for(3, rig.page, start=1)), rig.hashes(tokens_for(3, rig.page, 50))
     idx_a, idx_b = rig.fill(3, seed=1), rig.fill(3, seed=2)
@@ -173,6 +176,56 @@ def test_region_by_region_copies_match_the_vectorized_ones(
     storage._pool_rows = rows
     assert storage.batch_get_v1(b, got) == [True] * 3  # vectorized scatter
     assert rig.pages(got, 3) == rig.pages(idx_b, 3)
+    assert storage._local.staging is not None
+
+
+class DiskWithoutScatterGather(DiskBackend):
+    """kvsdk's disk tier with the base class's copying ``put_parts`` /
+    ``get_into_parts``: the adapter then stages multi-region pages itself."""
+
+    put_parts = Backend.put_parts
+    get_into_parts = Backend.get_into_parts
+
+
+@pytest.mark.parametrize(
+    ("mla", "layout"),
+    [(False, "layer_first"), (False, "page_first"), (False, "page_head"), (True, "layer_first")],
+)
+def test_multi_region_pages_move_without_staging(
+    make_rig: Any, tmp_path: Path, mla: bool, layout: str
+) -> None:
+    rig = kvsdk_rig(make_rig, tmp_path, layout=layout, mla=mla)
+    storage = rig.storage
+    assert storage.geometry is not None and storage.geometry.regions > 1
+    n = 4
+    tokens = tokens_for(n, rig.page)
+    idx = rig.fill(n, seed=3)
+    assert rig.backup(idx, tokens) == n * rig.page
+    hit, loaded, idx2 = rig.prefetch(tokens)
+    assert hit == loaded == n * rig.page and rig.pages(idx2, n) == rig.pages(idx, n)
+    # straight between the host pool's regions and the files: no staging buffer
+    assert getattr(storage._local, "staging", None) is None
+    for key, page in zip(storage.chunk_keys(rig.hashes(tokens)), rig.pages(idx, n)):
+        (path,) = [p for p in page_files(tmp_path) if p.name == key.hex() + ".kvc"]
+        assert path.read_bytes()[HEADER_SIZE:] == page  # the page's regions, in address order
+
+
+def test_corrupt_region_of_a_multi_region_page_is_a_miss(make_rig: Any, tmp_path: Path) -> None:
+    rig = kvsdk_rig(make_rig, tmp_path, layout="layer_first")
+    storage = rig.storage
+    assert storage.geometry is not None
+    tokens = tokens_for(3, rig.page)
+    idx = rig.fill(3, seed=8)
+    assert rig.backup(idx, tokens) == 3 * rig.page
+    bad = storage.chunk_keys(rig.hashes(tokens))[1]
+    (path,) = [p for p in page_files(tmp_path) if p.name == bad.hex() + ".kvc"]
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x10  # inside the page's last region
+    path.write_bytes(bytes(raw))
+    got = rig.pool.alloc(3 * rig.page)
+    assert storage.batch_get_v1(rig.hashes(tokens), got) == [True, False, True]
+    assert rig.pages(got, 1) == rig.pages(idx, 1)
+    assert not path.exists() and counter(rig, "kvsdk_corrupt_chunks_total", tier=1) == 1
 
 
 def test_base_hicache_controller(make_rig: Any, tmp_path: Path) -> None:
