@@ -308,16 +308,17 @@ class OffloadScheduler:
         for req_id in finished:
             self.ledger.request_finished(req_id)
         self.ledger.collect_fence_flushes()
-        stores = []
+        candidates: dict[str, list[tuple[_Request, list[Sequence[int]], list[ChunkKey]]]] = {}
         requests = self._requests
         for items in (computed_after_step.items(), finished.items()):
             for req_id, upto in items:
                 r = requests.get(req_id)
                 # most steps complete no new chunk for most requests: one comparison
                 if r is not None and upto >= r.next_store_at:
-                    job = self._store_job(r, upto)
-                    if job is not None:
-                        stores.append(job)
+                    found = self._store_candidates(r, upto)
+                    if found is not None:
+                        candidates.setdefault(r.tenant, []).append((r, *found))
+        stores = [job for tenant, cs in candidates.items() for job in self._store_jobs(tenant, cs)]
         self._flush_metrics()
         for req_id in finished:
             self._finish(req_id)
@@ -334,11 +335,15 @@ class OffloadScheduler:
             self._sync_delay.observe_many(self._sync_delays)
             self._sync_delays.clear()
 
-    def _store_job(self, r: _Request, upto: int) -> TransferJob | None:
+    def _store_candidates(
+        self, r: _Request, upto: int
+    ) -> tuple[list[Sequence[int]], list[ChunkKey]] | None:
+        """Chunks of ``r`` complete at ``upto`` tokens and not offered yet:
+        per group the chunk indices, and their keys."""
         if r.req_id in self._loading_requests:
             return None  # stores wait until the request's load landed
         self._refresh_keys(r)
-        chosen: list[Sequence[int]] = []  # per group: chunks to store
+        chosen: list[Sequence[int]] = []
         keys: list[ChunkKey] = []
         for gi, g in enumerate(self.groups):
             bpc = g.blocks_per_chunk
@@ -347,7 +352,7 @@ class OffloadScheduler:
             first = r.next_store_chunk[gi]
             stop = min(upto // g.tokens_per_chunk, len(gkeys), len(ids) // bpc)
             if first >= stop:
-                chosen.append([])
+                chosen.append(())
                 continue
             if bpc == 1 and 0 not in ids[first:stop]:  # a 0 is a skipped (null) block
                 cs: Sequence[int] = range(first, stop)
@@ -358,22 +363,47 @@ class OffloadScheduler:
             chosen.append(cs)
             r.next_store_chunk[gi] = stop
         self._set_next_store(r)
-        if not keys:
-            return None
-        plan = self.store.prepare_store(keys, r.tenant)
+        return (chosen, keys) if keys else None
+
+    def _store_jobs(
+        self, tenant: str, found: list[tuple[_Request, list[Sequence[int]], list[ChunkKey]]]
+    ) -> list[TransferJob]:
+        """One tier reservation for the step's candidates (one per request
+        if the tier cannot take them all at once), then a job per request."""
+        plan = self.store.prepare_store([k for _, _, keys in found for k in keys], tenant)
+        if plan is None and len(found) > 1:
+            jobs = []
+            for item in found:
+                jobs += self._store_jobs(tenant, [item])
+            return jobs
         if plan is None or not plan.keys:
-            return None
+            return []
         slot_of = dict(zip(plan.keys, plan.slots))
+        jobs = []
+        for r, chosen, _ in found:
+            job = self._store_job(r, chosen, slot_of)
+            if job is not None:
+                jobs.append(job)
+        return jobs
+
+    def _store_job(
+        self, r: _Request, chosen: list[Sequence[int]], slot_of: dict[ChunkKey, int]
+    ) -> TransferJob | None:
+        """The copies of ``r``'s chunks that got a slot (each slot is claimed
+        once: two requests holding the same new chunk never write it twice)."""
         fenced: list[int] = []
         deferred: list[int] = []
         copies = []
+        keys: list[ChunkKey] = []
+        take = slot_of.pop
         for gi, g in enumerate(self.groups):
             bpc = g.blocks_per_chunk
             ids = r.block_ids[gi]
             gkeys = r.keys[gi]
-            stored = [(c, slot) for c in chosen[gi] if (slot := slot_of.get(gkeys[c])) is not None]
+            stored = [(c, slot) for c in chosen[gi] if (slot := take(gkeys[c], None)) is not None]
             if not stored:
                 continue
+            keys.extend(gkeys[c] for c, _ in stored)
             if bpc == 1:
                 eb = [ids[c] for c, _ in stored]
                 slots = [slot for _, slot in stored]
@@ -391,8 +421,10 @@ class OffloadScheduler:
                     offsets=offs,
                 )
             )
+        if not keys:
+            return None
         job_id = self.ledger.add_store(
-            r.req_id, plan.keys, fenced_block_ids=fenced, deferred_fence_block_ids=deferred
+            r.req_id, keys, fenced_block_ids=fenced, deferred_fence_block_ids=deferred
         )
         return TransferJob(job_id, Direction.STORE, tuple(copies))
 
@@ -400,12 +432,13 @@ class OffloadScheduler:
     def worker_results(self, results: Iterable[WorkerResult]) -> set[int]:
         """Apply worker reports; returns engine block ids of failed loads."""
         failed_blocks: set[int] = set()
+        stored: tuple[list[ChunkKey], list[ChunkKey]] = ([], [])  # failed, ok
         for res in results:
             job = self.ledger.complete(res.job_id, res.count, failed=not res.ok)
             if job is None:
                 continue
             if job.is_store:
-                self.store.complete_store(job.keys, ok=not job.failed)
+                stored[not job.failed].extend(job.keys)
                 if job.failed:
                     self.metrics.inc("kvsdk_failed_jobs_total", direction="store")
             else:
@@ -427,6 +460,9 @@ class OffloadScheduler:
             r = self._requests.get(job.req_id)
             if r is not None and r.finished and not self.ledger.has_jobs(job.req_id):
                 del self._requests[job.req_id]
+        for ok, keys in enumerate(stored):  # one tier update for all the finished stores
+            if keys:
+                self.store.complete_store(keys, ok=bool(ok))
         return failed_blocks
 
     def request_finished(self, req_id: ReqId) -> None:

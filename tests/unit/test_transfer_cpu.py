@@ -85,3 +85,32 @@ def test_jobs_larger_than_the_gather_buffer_go_through_it_in_pieces(
 
     monkeypatch.setattr(kvsdk.transfer_cpu, "STAGE_BYTES", 1)  # one row per piece
     roundtrip((2, 4, 8), 3, 2, 0, shared=True)
+
+
+def test_row_runs_cover_every_pair_once_with_constant_steps() -> None:
+    from kvsdk.transfer_cpu import row_runs
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 40))
+        src = np.cumsum(rng.integers(-2, 4, n)).tolist()
+        dst = np.cumsum(rng.integers(-2, 4, n)).tolist()
+        pairs = []
+        for s0, ds, d0, dd, length in row_runs(src, dst):
+            assert ds > 0 and dd > 0 and length >= 1
+            pairs += [(s0 + k * ds, d0 + k * dd) for k in range(length)]
+        assert pairs == list(zip(src, dst))
+    assert row_runs([8, 16, 24, 25], [3, 4, 5, 9]) == [(8, 8, 3, 1, 3), (25, 1, 9, 1, 1)]
+
+
+@pytest.mark.parametrize("direct_bytes", [0, 1 << 40])
+def test_direct_and_gathered_copies_move_the_same_bytes(
+    monkeypatch: pytest.MonkeyPatch, direct_bytes: int
+) -> None:
+    """Both copy paths (straight row runs, and gather + scatter) on every layout."""
+    import kvsdk.transfer_cpu
+
+    monkeypatch.setattr(kvsdk.transfer_cpu, "DIRECT_COPY_BYTES", direct_bytes)
+    for shared in (False, True):
+        roundtrip((2, 4, 8), 3, 2, 0, shared)
+        roundtrip((2, 4, 8), 2, 1, 0, shared)
