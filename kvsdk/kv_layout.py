@@ -321,9 +321,9 @@ class JobPairs:
 
 def job_pairs(
     layout: KVLayout,
-    engine_blocks: np.ndarray,
-    slots: np.ndarray,
-    offsets: np.ndarray,
+    engine_blocks: Sequence[int] | np.ndarray,
+    slots: Sequence[int] | np.ndarray,
+    offsets: Sequence[int] | np.ndarray,
     *,
     blocks_per_chunk: int,
     slot_bytes: int,

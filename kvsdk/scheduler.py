@@ -25,8 +25,6 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvsdk.events import KVEvent
 from kvsdk.keys import Namespace, chunk_keys, token_chunk_hashes
 from kvsdk.ledger import JobLedger
@@ -250,9 +248,9 @@ class OffloadScheduler:
         copies = tuple(
             BlockCopies(
                 group=self.groups[gi].index,
-                engine_blocks=np.asarray(eb, dtype=np.int64),
-                slots=np.asarray([slots[r.keys[gi][c]] for c in chunks], dtype=np.int64),
-                offsets=np.asarray(offs, dtype=np.int64),
+                engine_blocks=eb,
+                slots=[slots[r.keys[gi][c]] for c in chunks],
+                offsets=offs,
             )
             for gi, eb, chunks, offs in per_group
         )
@@ -407,20 +405,13 @@ class OffloadScheduler:
             if bpc == 1:
                 eb = [ids[c] for c, _ in stored]
                 slots = [slot for _, slot in stored]
-                offs = np.zeros(len(eb), dtype=np.int64)
+                offs = [0] * len(eb)
             else:
                 eb = [b for c, _ in stored for b in ids[c * bpc : (c + 1) * bpc]]
                 slots = [slot for _, slot in stored for _ in range(bpc)]
-                offs = np.tile(np.arange(bpc, dtype=np.int64), len(stored))
+                offs = list(range(bpc)) * len(stored)
             (deferred if g.kind is GroupKind.FULL_ATTENTION else fenced).extend(eb)
-            copies.append(
-                BlockCopies(
-                    group=g.index,
-                    engine_blocks=np.asarray(eb, dtype=np.int64),
-                    slots=np.asarray(slots, dtype=np.int64),
-                    offsets=offs,
-                )
-            )
+            copies.append(BlockCopies(g.index, eb, slots, offs))
         if not keys:
             return None
         job_id = self.ledger.add_store(

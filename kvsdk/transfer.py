@@ -29,14 +29,24 @@ class Direction(str, enum.Enum):
     """engine block → host slot"""
 
 
+BlockIds = Sequence[int] | np.ndarray
+"""Integer ids: plain lists from the scheduler (cheapest to build there and to
+send to worker processes), or int64 arrays; workers index with ``as_index``."""
+
+
+def as_index(ids: BlockIds) -> torch.Tensor:
+    """``ids`` as an int64 tensor for indexing (no copy for an int64 array)."""
+    return torch.from_numpy(np.asarray(ids, dtype=np.int64))
+
+
 @dataclass(frozen=True)
 class BlockCopies:
-    """Copies for one KV group, one entry per engine block (int64 arrays)."""
+    """Copies for one KV group, one entry per engine block."""
 
     group: int
-    engine_blocks: np.ndarray
-    slots: np.ndarray
-    offsets: np.ndarray
+    engine_blocks: BlockIds
+    slots: BlockIds
+    offsets: BlockIds
     """Block position inside its chunk (0 .. blocks_per_chunk - 1)."""
 
     def __post_init__(self) -> None:

@@ -23,6 +23,7 @@ from kvsdk.transfer import (
     TransferJob,
     TransferResult,
     TransferWorker,
+    as_index,
     block_bytes_view,
     slot_views,
 )
@@ -205,9 +206,9 @@ class CPUTransferWorker(TransferWorker):
                 if c.num_blocks:
                     nbytes += self._plans[c.group].copy(
                         job.direction,
-                        torch.from_numpy(c.engine_blocks),
-                        torch.from_numpy(c.slots),
-                        torch.from_numpy(c.offsets),
+                        as_index(c.engine_blocks),
+                        as_index(c.slots),
+                        as_index(c.offsets),
                     )
         except Exception as exc:  # reported, never raised into the engine
             return TransferResult(
