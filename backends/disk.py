@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from itertools import count
+from itertools import count, pairwise
 from typing import Any, TypeVar
 
 from kvsdk.backend import Backend, Buffer, TierContext
@@ -257,9 +257,17 @@ class DiskBackend(Backend):
                 os.unlink(path)
 
     def _map(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+        """``fn`` over ``items`` in order; with ``io_threads``, one contiguous
+        share per thread (one task each: fewer hand-offs than a task per item)."""
         if self._pool is None or len(items) < 2:
             return [fn(x) for x in items]
-        return list(self._pool.map(fn, items))
+        k = min(self.options.io_threads, len(items))
+        cuts = [len(items) * i // k for i in range(k + 1)]
+        shares = [items[a:b] for a, b in pairwise(cuts)]
+        out: list[_R] = []
+        for part in self._pool.map(lambda share: [fn(x) for x in share], shares):
+            out += part
+        return out
 
     # -- Backend ------------------------------------------------------------------------
     def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
