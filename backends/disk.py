@@ -589,13 +589,15 @@ def _read_whole(fd: int, size: int) -> bytes:
     return data
 
 
+def _byte_view(buf: Any) -> memoryview:
+    """A flat byte view of a contiguous buffer (no copy)."""
+    mv = memoryview(buf)
+    return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
+
+
 def _flat_parts(parts: Sequence[Any]) -> list[memoryview]:
     """Flat byte views of the parts of a payload (no copy)."""
-    out = []
-    for p in parts:
-        mv = memoryview(p)
-        out.append(mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B"))
-    return out
+    return [_byte_view(p) for p in parts]
 
 
 def _readv_all(fd: int, parts: list[memoryview]) -> None:
@@ -610,8 +612,8 @@ def _readv_all(fd: int, parts: list[memoryview]) -> None:
         while i < len(todo) and n >= todo[i].nbytes:
             n -= todo[i].nbytes
             i += 1
-        if n:
-            todo[i] = todo[i][n:]
+        if n:  # part of one buffer done: the rest of its bytes
+            todo[i] = _byte_view(todo[i])[n:]
 
 
 def _write_all(fd: int, parts: list[memoryview]) -> None:
@@ -625,8 +627,8 @@ def _write_all(fd: int, parts: list[memoryview]) -> None:
         while i < len(todo) and n >= todo[i].nbytes:
             n -= todo[i].nbytes
             i += 1
-        if n:
-            todo[i] = todo[i][n:]
+        if n:  # part of one buffer done: the rest of its bytes
+            todo[i] = _byte_view(todo[i])[n:]
 
 
 @hookimpl

@@ -21,7 +21,13 @@ from redis_server import missing_tool
 
 from kvsdk import plugins_manager
 from kvsdk.backend import Backend, Buffer, TierContext
-from kvsdk.backends.disk import MTIME_REFRESH_SECONDS, STALE_TMP_SECONDS, DiskBackend, DiskOptions
+from kvsdk.backends.disk import (
+    MTIME_REFRESH_SECONDS,
+    STALE_TMP_SECONDS,
+    DiskBackend,
+    DiskOptions,
+    _readv_all,
+)
 from kvsdk.chunk_format import HEADER_SIZE, encode_chunk
 from kvsdk.config import load_config
 from kvsdk.eviction import ARCPolicy
@@ -221,6 +227,30 @@ def test_more_parts_than_one_system_call_takes(tmp_path: Path) -> None:
     _, outs = scattered([4] * n, gap=4)
     assert b.get_into_parts([key(5)], [outs]) == [True]
     assert b"".join(bytes(v) for v in outs) == data
+
+
+def test_short_reads_resume_inside_a_typed_buffer() -> None:
+    """``readv`` may return fewer bytes than asked (here: a pipe fed in odd
+    pieces); the rest is read into the right byte offsets of each part, also
+    for parts that are not byte-typed."""
+    data = payload(6, 3000)
+    a, b = np.zeros(700, dtype=np.uint16), np.zeros(1600, dtype=np.uint8)
+    r, w = os.pipe()
+
+    def feed() -> None:
+        for i in range(0, len(data), 333):
+            os.write(w, data[i : i + 333])
+            time.sleep(0.002)
+        os.close(w)
+
+    t = threading.Thread(target=feed)
+    t.start()
+    try:
+        _readv_all(r, [memoryview(a), memoryview(b)])
+    finally:
+        t.join()
+        os.close(r)
+    assert a.tobytes() + b.tobytes() == data
 
 
 def test_get_into_parts_a_corrupted_part_is_a_miss_and_deleted(tmp_path: Path) -> None:
