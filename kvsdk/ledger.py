@@ -90,7 +90,7 @@ class JobLedger:
         """The engine finished (or aborted) the request and frees its blocks:
         its stores' deferred fences start being watched. The request stays
         tracked (its final stores may still be added) until ``forget``."""
-        r = self._requests.setdefault(req_id, _Request())
+        r = self._request(req_id)
         r.finished = True
         for jid in r.jobs:
             job = self._jobs[jid]
@@ -127,7 +127,7 @@ class JobLedger:
         return jid
 
     def add_load(self, req_id: ReqId, keys: Sequence[ChunkKey]) -> JobId:
-        r = self._requests.setdefault(req_id, _Request())
+        r = self._request(req_id)
         assert not r.jobs, f"load for {req_id} while it has jobs in flight"
         assert not r.finished, f"load for finished request {req_id}"
         jid = self._new_id()
@@ -143,7 +143,7 @@ class JobLedger:
         fenced_block_ids: Sequence[int] = (),
         deferred_fence_block_ids: Sequence[int] = (),
     ) -> JobId:
-        r = self._requests.setdefault(req_id, _Request())
+        r = self._request(req_id)
         assert all(self._jobs[j].is_store for j in r.jobs), f"store for {req_id} during a load"
         jid = self._new_id()
         job = Job(
@@ -208,9 +208,20 @@ class JobLedger:
             self._maybe_forget(req_id)
 
     # -- internals -------------------------------------------------------------------------
+    def _request(self, req_id: ReqId) -> _Request:
+        r = self._requests.get(req_id)
+        if r is None:
+            r = self._requests[req_id] = _Request()
+        return r
+
     def _fence(self, block_ids: Iterable[int], jid: JobId) -> None:
+        fences = self._block_fences
         for bid in block_ids:
-            self._block_fences.setdefault(bid, set()).add(jid)
+            pending = fences.get(bid)
+            if pending is None:
+                fences[bid] = {jid}
+            else:
+                pending.add(jid)
 
     def _unfence(self, block_ids: Iterable[int], jid: JobId) -> None:
         for bid in block_ids:

@@ -34,6 +34,15 @@ from kvsdk.store.tiered import TieredStore
 from kvsdk.transfer import BlockCopies, Direction, TransferJob
 from kvsdk.types import ChunkKey, GroupKind, KVGroupSpec, ReqId, cdiv
 
+DECODE_STORE_CHUNKS = 4
+"""Chunks completed by generated tokens are stored this many at a time, and
+the rest when the request finishes: one store job for several chunks costs the
+scheduler about what one for a single chunk does, and the next turn of a
+conversation comes after the request finished. Prompt chunks, which concurrent
+requests share, are stored as soon as they are computed. (A preempted
+request's blocks are freed at once, so its deferred chunks are recomputed on
+resume, like any chunk of a preempted request that was not stored yet.)"""
+
 
 @dataclass
 class _Request:
@@ -47,6 +56,9 @@ class _Request:
     next_store_chunk: list[int]
     next_store_at: int = 0
     """Token count at which some group completes a chunk it has not stored yet."""
+    store_due_at: int = 0
+    """When a running request's next store is built: ``next_store_at`` inside the
+    prompt; past it, once ``DECODE_STORE_CHUNKS`` chunks are complete."""
     num_computed_local: int = 0
     deferred_since: float | None = None
     tenant: str = ""
@@ -99,6 +111,7 @@ class OffloadScheduler:
                     f"group {g.index}: chunk of {g.tokens_per_chunk} tokens is not a multiple "
                     f"of the hash block ({self.tokens_per_hash} tokens)"
                 )
+        self._min_chunk_tokens = min(g.tokens_per_chunk for g in self.groups)
         self.planner = LookupPlanner(
             self.groups, mamba_align_tokens=mamba_align_tokens, tokens_per_hash=self.tokens_per_hash
         )
@@ -163,6 +176,9 @@ class OffloadScheduler:
         r.next_store_at = min(
             (c + 1) * g.tokens_per_chunk for c, g in zip(r.next_store_chunk, self.groups)
         )
+        r.store_due_at = r.next_store_at
+        if r.next_store_at > r.num_prompt_tokens:  # generated tokens: store them in batches
+            r.store_due_at += (DECODE_STORE_CHUNKS - 1) * self._min_chunk_tokens
 
     def has_request(self, req_id: ReqId) -> bool:
         return req_id in self._requests
@@ -308,11 +324,11 @@ class OffloadScheduler:
         self.ledger.collect_fence_flushes()
         candidates: dict[str, list[tuple[_Request, list[Sequence[int]], list[ChunkKey]]]] = {}
         requests = self._requests
-        for items in (computed_after_step.items(), finished.items()):
+        for items, due in ((computed_after_step.items(), True), (finished.items(), False)):
             for req_id, upto in items:
                 r = requests.get(req_id)
                 # most steps complete no new chunk for most requests: one comparison
-                if r is not None and upto >= r.next_store_at:
+                if r is not None and upto >= (r.store_due_at if due else r.next_store_at):
                     found = self._store_candidates(r, upto)
                     if found is not None:
                         candidates.setdefault(r.tenant, []).append((r, *found))

@@ -11,7 +11,7 @@ reused are flushed first (``handle_preemptions``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,9 +31,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+from vllm.v1.request import RequestStatus
 
 from kvsdk import plugins_manager
-from kvsdk.events import EventKind
+from kvsdk.events import EventKind, KVEvent
 from kvsdk.metrics import COUNTERS
 from kvsdk.plugins.vllm.layout import EngineLayout, engine_layout
 from kvsdk.scheduler import OffloadScheduler, WorkerResult
@@ -371,7 +372,7 @@ class _SchedulerSide:
             req = self.requests.pop(rid, None)
             if req is None:
                 continue
-            if req.status.name == "FINISHED_ABORTED":
+            if req.status is RequestStatus.FINISHED_ABORTED:
                 finished[rid] = req.num_computed_tokens
             else:  # the last sampled token's KV was never computed
                 finished[rid] = max(req.num_prompt_tokens, req.num_tokens - 1)
@@ -410,7 +411,11 @@ class _SchedulerSide:
         self.core.request_finished(request.request_id)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        for ev in self.core.take_events():
+        events = self.core.take_events()
+        return self._vllm_events(events) if events else ()
+
+    def _vllm_events(self, events: list[KVEvent]) -> Iterator[KVCacheEvent]:
+        for ev in events:
             medium = ev.medium.value.upper()
             locality = "REMOTE" if ev.locality is Locality.CLUSTER else "LOCAL"
             if ev.kind is EventKind.CLEARED:

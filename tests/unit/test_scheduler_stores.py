@@ -1,0 +1,77 @@
+"""When the scheduler side stores what: prompt chunks at once, generated chunks in
+batches of ``DECODE_STORE_CHUNKS``, the rest at finish, each new chunk once per step."""
+
+from __future__ import annotations
+
+import hashlib
+
+from kvsdk.config import load_config
+from kvsdk.keys import GroupLayout, Namespace
+from kvsdk.scheduler import DECODE_STORE_CHUNKS, OffloadScheduler, WorkerResult
+from kvsdk.store.factory import build_store
+from kvsdk.types import GroupKind, KVGroupSpec
+
+TPB = 4  # tokens per block = per chunk
+
+
+def make() -> OffloadScheduler:
+    ns = Namespace("m", "float32", (GroupLayout((2, TPB, 1, 8), "float32"),), TPB)
+    store = build_store(load_config({"chunk_tokens": TPB, "tiers": [{"backend": "cpu"}]}), ns, 256)
+    return OffloadScheduler([KVGroupSpec(0, GroupKind.FULL_ATTENTION, TPB, 1)], ns, store)
+
+
+def chain(n: int, salt: bytes = b"") -> list[bytes]:
+    out, prev = [], salt
+    for i in range(n):
+        prev = hashlib.sha256(prev + bytes([i])).digest()
+        out.append(prev)
+    return out
+
+
+def stored_chunks(s: OffloadScheduler, jobs: object) -> list[int]:
+    """Engine blocks the step's store jobs copy (block id == chunk index + 1 here)."""
+    blocks = [b - 1 for j in jobs.stores for c in j.copies for b in c.engine_blocks]  # type: ignore[attr-defined]
+    s.worker_results([WorkerResult(j.job_id) for j in jobs.stores])  # type: ignore[attr-defined]
+    return blocks
+
+
+def test_prompt_chunks_at_once_generated_ones_in_batches_and_the_rest_at_finish() -> None:
+    s = make()
+    prompt = 10  # 2 full chunks + 2 tokens
+    hashes = chain(2)
+    s.add_request("r", num_prompt_tokens=prompt, block_hashes=hashes)
+    assert s.lookup("r", 0) == 0
+    blocks = list(range(1, 20))
+    jobs = s.build_step(computed_after_step={"r": prompt}, new_block_ids={"r": [blocks]},
+                        replace_block_ids=["r"])  # fmt: skip
+    assert stored_chunks(s, jobs) == [0, 1]
+    # decode: chunks 2, 3, ... complete every 4 tokens; stored DECODE_STORE_CHUNKS at a time
+    tokens, seen = prompt, []
+    while tokens < prompt + TPB * DECODE_STORE_CHUNKS + 2:
+        tokens += 1
+        while len(hashes) < tokens // TPB:
+            hashes.append(chain(1, hashes[-1])[0])  # the engine appends hashes in place
+        seen.append(stored_chunks(s, s.build_step(computed_after_step={"r": tokens})))
+    batches = [b for b in seen if b]
+    assert batches == [list(range(2, 2 + DECODE_STORE_CHUNKS))]
+    s.request_finished("r")
+    final = stored_chunks(s, s.build_step(computed_after_step={}, finished={"r": tokens}))
+    assert final == [2 + DECODE_STORE_CHUNKS]  # the chunk completed after the batch
+    assert s.ledger.is_empty() and s.num_tracked_requests() == 0
+
+
+def test_two_requests_with_the_same_new_chunk_in_one_step_copy_it_once() -> None:
+    s = make()
+    hashes = chain(3)
+    for rid in ("a", "b"):
+        s.add_request(rid, num_prompt_tokens=12, block_hashes=hashes)
+        assert s.lookup(rid, 0) == 0
+    jobs = s.build_step(
+        computed_after_step={"a": 12, "b": 12},
+        new_block_ids={"a": [[1, 2, 3]], "b": [[4, 5, 6]]},
+        replace_block_ids=["a", "b"],
+    )
+    copied = [b for j in jobs.stores for c in j.copies for b in c.engine_blocks]
+    assert sorted(copied) == [1, 2, 3]  # "a" claimed every slot; "b" writes none
+    slots = [sl for j in jobs.stores for c in j.copies for sl in c.slots]
+    assert len(set(slots)) == 3
