@@ -30,12 +30,15 @@ the answer past the last whole chunk.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Mapping, Sequence, Set, Sized
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from kvsdk.types import ChunkKey, GroupKind, KVGroupSpec, LookupResult, cdiv, round_down
 
 LookupFn = Callable[[ChunkKey], LookupResult]
+BeingLoaded = Mapping[ChunkKey, int] | AbstractSet[ChunkKey]
+"""Chunks other requests are loading right now (a count per key, or a set)."""
 LookupRunFn = Callable[[Sequence[ChunkKey], int, int], tuple[int, int]]
 """``lookup_run(keys, start, stop) -> (present_end, hit_end)``: ``lookup`` over
 ``keys[start:stop]`` up to the first MISS; ``keys[start:present_end]`` are
@@ -110,6 +113,7 @@ class LookupPlanner:
             g.kind is GroupKind.FULL_ATTENTION and not g.eagle for g in self.groups
         )
         """Every group is a plain prefix scan: one ``lookup_run`` per group answers it."""
+        self._chunk_tokens = [g.tokens_per_chunk for g in self.groups]
         self.mamba_align_tokens = mamba_align_tokens
         self.partial_tail_block_tokens = partial_tail_block_tokens
         self.tokens_per_hash = tokens_per_hash or self.groups[0].tokens_per_block
@@ -123,12 +127,12 @@ class LookupPlanner:
         lookup: LookupFn,
         *,
         max_num_new_tokens: int | None = None,
-        being_loaded: Container[ChunkKey] | None = None,
+        being_loaded: BeingLoaded | None = None,
         lookup_run: LookupRunFn | None = None,
     ) -> Plan | None:
         """``lookup_run`` (optional, same answers as ``lookup``) lets plain
         full-attention models scan each group's prefix in one call."""
-        memo = _Memo(lookup)
+        memo = _Memo(lookup)  # shared by the scans below: each key is asked once
         computed = req.num_computed_tokens
         if lookup_run is not None and self._prefix_only:
             complete = self._prefix_end(req, lookup_run, max_num_new_tokens)
@@ -159,8 +163,8 @@ class LookupPlanner:
             cap = min(cap, req.num_tokens - 1)
         if self.mamba_align_tokens:
             cap = round_down(cap, self.mamba_align_tokens)
-        for i, g in enumerate(self.groups):
-            cap = min(cap, len(req.group_keys[i]) * g.tokens_per_chunk)
+        for keys, tpc in zip(req.group_keys, self._chunk_tokens):
+            cap = min(cap, len(keys) * tpc)
         return cap
 
     def _complete_chunks_end(
@@ -252,19 +256,13 @@ class LookupPlanner:
             end = min(round_down(end - 1, tpc), (miss - extra) * tpc)
         return 0
 
-    def _any_being_loaded(
-        self, req: PlanRequest, end: int, being_loaded: Container[ChunkKey]
-    ) -> bool:
-        if isinstance(being_loaded, Sized) and not being_loaded:
+    def _any_being_loaded(self, req: PlanRequest, end: int, being_loaded: BeingLoaded) -> bool:
+        if not being_loaded:
             return False
+        view = being_loaded.keys() if isinstance(being_loaded, dict | Mapping) else being_loaded
         for i, g in enumerate(self.groups):
             rng = g.needed_chunks(req.num_computed_tokens, end)
-            needed = req.group_keys[i][rng.start : rng.stop]
-            if isinstance(being_loaded, Mapping | Set):  # one C-level pass
-                view = being_loaded.keys() if isinstance(being_loaded, Mapping) else being_loaded
-                if not view.isdisjoint(needed):
-                    return True
-            elif any(k in being_loaded for k in needed):
+            if not view.isdisjoint(req.group_keys[i][rng.start : rng.stop]):  # one C-level pass
                 return True
         return False
 
