@@ -43,8 +43,11 @@ native spec's) can use an idle core: part 3 is then the lenient case; run
    vLLM's own prefix cache reset between the waves (the second wave's prefixes
    come from the connector). Engine steps are counted as ``build_connector_meta``
    calls (once per ``schedule()``); the drain between waves is not measured.
-   The headline sums the methods the issue names; ``incl. stats/other hooks``
-   adds ``on_new_request``, ``get_kv_connector_stats`` and the other hooks.
+   The headline sums every scheduler-side method the connector implements
+   (each connector places its per-request work in different hooks: native
+   sets a request up in ``on_new_request``, kvsdk in
+   ``get_num_new_matched_tokens``); the figure without ``on_new_request``,
+   ``get_kv_connector_stats`` and the other hooks is printed beside it.
 3. **No-reuse cost**: tokens/s (prompt + generated) of a batch of distinct
    prompts (0% hits), kvsdk on vs no connector, median over rounds; a round's
    time includes stepping the engine until kvsdk's stores have landed.
@@ -569,11 +572,13 @@ def summarize(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict
     sched = {
         "kvsdk": ks,
         "native": ns,
-        "kvsdk_us_per_step": ks["core_us_per_step"],
-        "native_us_per_step": ns["core_us_per_step"],
-        "kvsdk_over_native": ks["core_us_per_step"] / ns["core_us_per_step"],
-        "kvsdk_over_native_cpu": ks["core_cpu_us_per_step"] / ns["core_cpu_us_per_step"],
-        "kvsdk_over_native_all_methods": ks["all_us_per_step"] / ns["all_us_per_step"],
+        "kvsdk_us_per_step": ks["all_us_per_step"],
+        "native_us_per_step": ns["all_us_per_step"],
+        "kvsdk_over_native": ks["all_us_per_step"] / ns["all_us_per_step"],
+        "kvsdk_over_native_cpu": ks["all_cpu_us_per_step"] / ns["all_cpu_us_per_step"],
+        # the subset this benchmark reported before: it leaves out on_new_request, where
+        # native does per-request work kvsdk does in get_num_new_matched_tokens
+        "kvsdk_over_native_core_methods": ks["core_us_per_step"] / ns["core_us_per_step"],
     }
     tn, tk = none["throughput"], kvsdk["throughput"]
     throughput = {
@@ -675,8 +680,8 @@ def format_table(s: dict[str, Any]) -> str:
         f"   kvsdk {sc['kvsdk_us_per_step']:.0f} us/step over {sc['kvsdk']['steps']} steps;"
         f" native {sc['native_us_per_step']:.0f} us/step over {sc['native']['steps']} steps;"
         f" kvsdk/native {sc['kvsdk_over_native']:.2f}x"
-        f" (thread CPU time {sc['kvsdk_over_native_cpu']:.2f}x;"
-        f" incl. stats/other hooks {sc['kvsdk_over_native_all_methods']:.2f}x)",
+        f" (thread CPU time {sc['kvsdk_over_native_cpu']:.2f}x; without on_new_request,"
+        f" stats and the other hooks {sc['kvsdk_over_native_core_methods']:.2f}x)",
     ]
     for name in ("kvsdk", "native"):
         top = sorted(sc[name]["methods"].items(), key=lambda kv: -kv[1]["total_ms"])

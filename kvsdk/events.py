@@ -87,6 +87,8 @@ class EventTracker:
 
     def take_events(self) -> list[KVEvent]:
         """Drain the adapter's queue."""
+        if not self._pending:
+            return []
         out = list(self._pending)
         self._pending.clear()
         return out

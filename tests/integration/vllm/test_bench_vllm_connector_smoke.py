@@ -35,7 +35,7 @@ TTFT_FIELDS = {
 }  # fmt: skip
 SCHED_FIELDS = {
     "kvsdk", "native", "kvsdk_us_per_step", "native_us_per_step", "kvsdk_over_native",
-    "kvsdk_over_native_cpu", "kvsdk_over_native_all_methods",
+    "kvsdk_over_native_cpu", "kvsdk_over_native_core_methods",
 }  # fmt: skip
 PER_CONNECTOR_SCHED = {
     "waves", "steps", "core_total_s", "core_us_per_step", "core_cpu_us_per_step",
