@@ -56,9 +56,6 @@ class _Request:
     next_store_chunk: list[int]
     next_store_at: int = 0
     """Token count at which some group completes a chunk it has not stored yet."""
-    store_due_at: int = 0
-    """When a running request's next store is built: ``next_store_at`` inside the
-    prompt; past it, once ``DECODE_STORE_CHUNKS`` chunks are complete."""
     num_computed_local: int = 0
     deferred_since: float | None = None
     tenant: str = ""
@@ -124,6 +121,11 @@ class OffloadScheduler:
         """Engine blocks each load job writes (reported back if the load fails)."""
         self._loading_requests: set[ReqId] = set()
         self._awaiting_final_store: set[ReqId] = set()
+        self.store_due: dict[ReqId, int] = {}
+        """Per running request, the token count at which its next store is built
+        (inside the prompt: the next chunk's end; past it, ``DECODE_STORE_CHUNKS``
+        chunks later). An adapter may leave requests below it out of
+        ``computed_after_step`` (most requests on most steps): read-only."""
         self._sync_delay = self.metrics.histogram("kvsdk_lookup_delay_seconds", kind="sync")
         self._sync_delays: list[float] = []
         self._hit_tokens = 0
@@ -176,9 +178,10 @@ class OffloadScheduler:
         r.next_store_at = min(
             (c + 1) * g.tokens_per_chunk for c, g in zip(r.next_store_chunk, self.groups)
         )
-        r.store_due_at = r.next_store_at
-        if r.next_store_at > r.num_prompt_tokens:  # generated tokens: store them in batches
-            r.store_due_at += (DECODE_STORE_CHUNKS - 1) * self._min_chunk_tokens
+        due = r.next_store_at
+        if due > r.num_prompt_tokens:  # generated tokens: store them in batches
+            due += (DECODE_STORE_CHUNKS - 1) * self._min_chunk_tokens
+        self.store_due[r.req_id] = due
 
     def has_request(self, req_id: ReqId) -> bool:
         return req_id in self._requests
@@ -324,14 +327,21 @@ class OffloadScheduler:
         self.ledger.collect_fence_flushes()
         candidates: dict[str, list[tuple[_Request, list[Sequence[int]], list[ChunkKey]]]] = {}
         requests = self._requests
-        for items, due in ((computed_after_step.items(), True), (finished.items(), False)):
-            for req_id, upto in items:
-                r = requests.get(req_id)
-                # most steps complete no new chunk for most requests: one comparison
-                if r is not None and upto >= (r.store_due_at if due else r.next_store_at):
-                    found = self._store_candidates(r, upto)
-                    if found is not None:
-                        candidates.setdefault(r.tenant, []).append((r, *found))
+        store_due = self.store_due
+        for req_id, upto in computed_after_step.items():
+            # most steps complete no new chunk for most requests: one comparison
+            if upto >= store_due.get(req_id, upto + 1):
+                r = requests[req_id]
+                if (found := self._store_candidates(r, upto)) is not None:
+                    candidates.setdefault(r.tenant, []).append((r, *found))
+        for req_id, upto in finished.items():
+            r = requests.get(req_id)
+            if (
+                r is not None
+                and upto >= r.next_store_at
+                and (found := self._store_candidates(r, upto)) is not None
+            ):
+                candidates.setdefault(r.tenant, []).append((r, *found))
         stores = [job for tenant, cs in candidates.items() for job in self._store_jobs(tenant, cs)]
         self._flush_metrics()
         for req_id in finished:
@@ -466,7 +476,7 @@ class OffloadScheduler:
                     self.store.discard(job.keys)
             r = self._requests.get(job.req_id)
             if r is not None and r.finished and not self.ledger.has_jobs(job.req_id):
-                del self._requests[job.req_id]
+                del self._requests[job.req_id]  # (its store_due entry went at _finish)
         for ok, keys in enumerate(stored):  # one tier update for all the finished stores
             if keys:
                 self.store.complete_store(keys, ok=bool(ok))
@@ -488,6 +498,7 @@ class OffloadScheduler:
 
     def _finish(self, req_id: ReqId) -> None:
         self._awaiting_final_store.discard(req_id)
+        self.store_due.pop(req_id, None)  # it stores nothing more
         self.ledger.forget(req_id)
         r = self._requests.get(req_id)
         if r is None:
@@ -513,6 +524,7 @@ class OffloadScheduler:
         # finished requests store nothing more: their KV predates the reset
         for req_id in [rid for rid, r in self._requests.items() if r.finished or r.engine_finished]:
             del self._requests[req_id]
+            self.store_due.pop(req_id, None)
         self._awaiting_final_store.clear()
         for r in self._requests.values():
             r.next_store_chunk = [0] * len(self.groups)

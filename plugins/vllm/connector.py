@@ -361,10 +361,11 @@ class _SchedulerSide:
                 new_blocks[rid] = ids
         resumed.update(cached.resumed_req_ids)
         computed: dict[str, int] = {}
-        requests = self.requests
+        requests, due = self.requests, self.core.store_due
         for rid, n in so.num_scheduled_tokens.items():
             req = requests.get(rid)
-            if req is not None:
+            # only requests that may complete a chunk to store this step
+            if req is not None and req.num_computed_tokens + n >= due.get(rid, 1 << 62):
                 upto = req.num_computed_tokens + n
                 computed[rid] = upto if upto < req.num_tokens else req.num_tokens
         finished: dict[str, int] = {}

@@ -45,6 +45,8 @@ def test_prompt_chunks_at_once_generated_ones_in_batches_and_the_rest_at_finish(
     jobs = s.build_step(computed_after_step={"r": prompt}, new_block_ids={"r": [blocks]},
                         replace_block_ids=["r"])  # fmt: skip
     assert stored_chunks(s, jobs) == [0, 1]
+    # the next chunk ends past the prompt: due once DECODE_STORE_CHUNKS chunks are complete
+    assert s.store_due["r"] == (2 + DECODE_STORE_CHUNKS) * TPB
     # decode: chunks 2, 3, ... complete every 4 tokens; stored DECODE_STORE_CHUNKS at a time
     tokens, seen = prompt, []
     while tokens < prompt + TPB * DECODE_STORE_CHUNKS + 2:
@@ -57,7 +59,7 @@ def test_prompt_chunks_at_once_generated_ones_in_batches_and_the_rest_at_finish(
     s.request_finished("r")
     final = stored_chunks(s, s.build_step(computed_after_step={}, finished={"r": tokens}))
     assert final == [2 + DECODE_STORE_CHUNKS]  # the chunk completed after the batch
-    assert s.ledger.is_empty() and s.num_tracked_requests() == 0
+    assert s.ledger.is_empty() and s.num_tracked_requests() == 0 and not s.store_due
 
 
 def test_two_requests_with_the_same_new_chunk_in_one_step_copy_it_once() -> None:
