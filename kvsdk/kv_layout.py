@@ -334,6 +334,10 @@ def job_pairs(
     blocks = np.asarray(engine_blocks, dtype=np.int64)
     slots = np.asarray(slots, dtype=np.int64)
     offsets = np.asarray(offsets, dtype=np.int64)
+    if not len(blocks) == len(slots) == len(offsets):
+        raise ValueError(
+            f"{len(blocks)} engine blocks, {len(slots)} slots, {len(offsets)} offsets: one each"
+        )
     if layout.chunk_bytes(blocks_per_chunk) > slot_bytes:
         raise ValueError(
             f"a chunk of {layout.chunk_bytes(blocks_per_chunk)} B does not fit a {slot_bytes} B slot"

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from kvsdk.types import ChunkKey, JobId, ReqId
 
 
-@dataclass
+@dataclass(slots=True)
 class Job:
     job_id: JobId
     req_id: ReqId
@@ -39,7 +39,7 @@ class Job:
     failed: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class _Request:
     jobs: set[JobId] = field(default_factory=set)
     finished: bool = False

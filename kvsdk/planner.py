@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvsdk.types import ChunkKey, GroupKind, KVGroupSpec, LookupResult, cdiv, round_down
 
@@ -63,8 +64,7 @@ class PlanRequest:
     boundary_key: BoundaryKeyFn | None = None
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     num_hit_tokens: int
     """Tokens to load beyond ``num_computed_tokens`` (0: nothing to load)."""
     partial_tail_boundary: int | None = None

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvsdk.events import KVEvent
 from kvsdk.keys import Namespace, chunk_keys, token_chunk_hashes
@@ -74,11 +75,10 @@ class StepJobs:
     (their source blocks are about to be overwritten)."""
 
 
-@dataclass
-class WorkerResult:
+class WorkerResult(NamedTuple):
     job_id: int
     ok: bool = True
-    count: int = 1
+    workers: int = 1
     """How many workers this report stands for."""
 
 
@@ -108,7 +108,8 @@ class OffloadScheduler:
                     f"group {g.index}: chunk of {g.tokens_per_chunk} tokens is not a multiple "
                     f"of the hash block ({self.tokens_per_hash} tokens)"
                 )
-        self._min_chunk_tokens = min(g.tokens_per_chunk for g in self.groups)
+        self._chunk_tokens = [g.tokens_per_chunk for g in self.groups]
+        self._min_chunk_tokens = min(self._chunk_tokens)
         self.planner = LookupPlanner(
             self.groups, mamba_align_tokens=mamba_align_tokens, tokens_per_hash=self.tokens_per_hash
         )
@@ -175,9 +176,11 @@ class OffloadScheduler:
                     events.annotate(keys[c], (g.index, c, h))
 
     def _set_next_store(self, r: _Request) -> None:
-        r.next_store_at = min(
-            (c + 1) * g.tokens_per_chunk for c, g in zip(r.next_store_chunk, self.groups)
-        )
+        tpcs = self._chunk_tokens
+        if len(tpcs) == 1:
+            r.next_store_at = (r.next_store_chunk[0] + 1) * tpcs[0]
+        else:
+            r.next_store_at = min((c + 1) * t for c, t in zip(r.next_store_chunk, tpcs))
         due = r.next_store_at
         if due > r.num_prompt_tokens:  # generated tokens: store them in batches
             due += (DECODE_STORE_CHUNKS - 1) * self._min_chunk_tokens
@@ -451,7 +454,7 @@ class OffloadScheduler:
         failed_blocks: set[int] = set()
         stored: tuple[list[ChunkKey], list[ChunkKey]] = ([], [])  # failed, ok
         for res in results:
-            job = self.ledger.complete(res.job_id, res.count, failed=not res.ok)
+            job = self.ledger.complete(res.job_id, res.workers, failed=not res.ok)
             if job is None:
                 continue
             if job.is_store:

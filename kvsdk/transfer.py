@@ -17,6 +17,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -39,9 +40,10 @@ def as_index(ids: BlockIds) -> torch.Tensor:
     return torch.from_numpy(np.asarray(ids, dtype=np.int64))
 
 
-@dataclass(frozen=True)
-class BlockCopies:
-    """Copies for one KV group, one entry per engine block."""
+class BlockCopies(NamedTuple):
+    """Copies for one KV group, one entry per engine block (the three sequences
+    have one length; workers check ids before copying). Tuples: the scheduler
+    builds one per group per job on every step."""
 
     group: int
     engine_blocks: BlockIds
@@ -49,16 +51,12 @@ class BlockCopies:
     offsets: BlockIds
     """Block position inside its chunk (0 .. blocks_per_chunk - 1)."""
 
-    def __post_init__(self) -> None:
-        assert len(self.engine_blocks) == len(self.slots) == len(self.offsets)
-
     @property
     def num_blocks(self) -> int:
         return len(self.engine_blocks)
 
 
-@dataclass(frozen=True)
-class TransferJob:
+class TransferJob(NamedTuple):
     job_id: int
     direction: Direction
     copies: tuple[BlockCopies, ...]

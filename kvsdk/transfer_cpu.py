@@ -203,6 +203,8 @@ class CPUTransferWorker(TransferWorker):
         nbytes = 0
         try:
             for c in job.copies:
+                if not len(c.engine_blocks) == len(c.slots) == len(c.offsets):
+                    raise ValueError(f"group {c.group}: engine blocks, slots, offsets differ in length")
                 if c.num_blocks:
                     nbytes += self._plans[c.group].copy(
                         job.direction,

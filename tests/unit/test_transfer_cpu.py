@@ -114,3 +114,14 @@ def test_direct_and_gathered_copies_move_the_same_bytes(
     for shared in (False, True):
         roundtrip((2, 4, 8), 3, 2, 0, shared)
         roundtrip((2, 4, 8), 2, 1, 0, shared)
+
+
+def test_copies_of_unequal_lengths_fail_the_job() -> None:
+    t = torch.zeros((4, 16), dtype=torch.uint8)
+    w = CPUTransferWorker()
+    w.register([GroupLayers(0, (t,), 1)], torch.zeros((2, 16), dtype=torch.uint8))
+    w.submit(TransferJob(4, Direction.STORE, (BlockCopies(0, [1, 2], [0], [0, 0]),)))
+    w.wait([4])
+    (res,) = w.poll()
+    assert not res.ok and "length" in (res.error or "")
+    w.shutdown()
