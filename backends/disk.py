@@ -212,8 +212,7 @@ class DiskBackend(Backend):
         with self._lock:
             for _, key, size in found:
                 self._add_locked(key, size)
-            victims = self._victims_locked(0)
-        self._unlink_all(victims)
+            self._evict_locked(0)
 
     # -- index (call with the lock held) --------------------------------------------------
     def _add_locked(self, key: ChunkKey, size: int) -> None:
@@ -234,11 +233,13 @@ class DiskBackend(Backend):
         self._policy.remove(key)
         return True
 
-    def _victims_locked(self, incoming: int) -> list[str]:
-        """Evict until ``incoming`` more bytes fit; the victims' paths (to unlink)."""
+    def _evict_locked(self, incoming: int) -> None:
+        """Evict until ``incoming`` more bytes fit. Files are unlinked here, under
+        the lock, like every change to a final path: another thread never sees
+        an index entry without its file or a file it could re-index by mistake."""
         excess = self._used + self._reserved + incoming - self.options.capacity
         if excess <= 0:
-            return []
+            return
         chosen: list[ChunkKey] = []
         for key in self._policy.candidates():
             chosen.append(key)
@@ -248,8 +249,9 @@ class DiskBackend(Backend):
         for key in chosen:
             self._policy.evicted(key)
             self._used -= self._index.pop(key)
+            with contextlib.suppress(OSError):
+                os.unlink(self._path(key))
         self._counters["evictions"] += len(chosen)
-        return [self._path(k) for k in chosen]
 
     def _unlink_all(self, paths: Sequence[str]) -> None:
         for path in paths:
@@ -273,21 +275,14 @@ class DiskBackend(Backend):
     def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
         out = []
         for key in keys:
-            try:
-                st = os.stat(self._path(key))
-            except OSError:
-                with self._lock:
+            with self._lock:  # the file and the index agree under the lock
+                size = _file_size(self._path(key))
+                if size is None:
                     self._forget_locked(key)
-                out.append(False)
-                continue
-            with self._lock:
-                if key not in self._index:
-                    self._add_locked(key, st.st_size)
-                    victims = self._victims_locked(0)
-                else:
-                    victims = []
-            self._unlink_all(victims)
-            out.append(True)
+                elif key not in self._index:  # stored by another process
+                    self._add_locked(key, size)
+                    self._evict_locked(0)
+            out.append(size is not None)
         return out
 
     def get(self, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
@@ -322,7 +317,8 @@ class DiskBackend(Backend):
                 self._count("read_errors")
                 self._burst.warning("read", "disk tier: cannot open %s: %s", path, exc.strerror)
             with self._lock:
-                self._forget_locked(key)
+                if _file_size(path) is None:  # (not published by a put meanwhile)
+                    self._forget_locked(key)
             self._count("misses")
             return None
         header = bytearray(HEADER_SIZE)
@@ -363,13 +359,11 @@ class DiskBackend(Backend):
         with self._lock:
             if key in self._index:
                 self._policy.touch(key)
-                victims = []
-            else:  # stored by another process
+            elif _same_file(path, st):  # stored by another process (not deleted meanwhile)
                 self._add_locked(key, size)
-                victims = self._victims_locked(0)
+                self._evict_locked(0)
             fits = outs is None or direct
             self._counters["hits" if fits else "misses"] += 1
-        self._unlink_all(victims)
         return payload if fits else None
 
     def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
@@ -392,40 +386,28 @@ class DiskBackend(Backend):
             header = encode_header(self._ns, key, flat, dtype, shape)
         size = len(header) + nbytes
         path = self._path(key)
-        try:
-            present: int | None = os.stat(path).st_size  # ours or another process's
-        except OSError:
-            present = None
         with self._lock:
+            present = _file_size(path)  # ours or another process's
             if present is not None:
                 if key in self._index:
                     self._policy.touch(key)
-                    victims = []
                 else:
                     self._add_locked(key, present)
-                    victims = self._victims_locked(0)
+                    self._evict_locked(0)
                 self._counters["put_skipped_present"] += 1
-        if present is not None:
-            self._unlink_all(victims)
-            return True
-        with self._lock:
+                return True
             if size > self.options.capacity:
                 self._counters["put_too_large"] += 1
                 self._counters["put_failures"] += 1
                 return False
-            victims = self._victims_locked(size)
+            self._evict_locked(size)
             if self._used + self._reserved + size > self.options.capacity:
                 self._counters["put_no_room"] += 1  # the rest is writes in flight
                 self._counters["put_failures"] += 1
-                ok = False
-            else:
-                self._reserved += size
-                ok = True
-        self._unlink_all(victims)
-        if not ok:
-            return False
+                return False
+            self._reserved += size
         try:
-            self._write_file(path, header, parts)
+            self._write_file(path, header, parts, key, size)
         except OSError as exc:
             kind = _ERRNO_STAT.get(exc.errno or 0, "other_errors")
             self._count(f"put_{kind}", "put_failures")
@@ -435,13 +417,14 @@ class DiskBackend(Backend):
             with self._lock:
                 self._reserved -= size
             return False
-        with self._lock:
-            self._reserved -= size
-            self._add_locked(key, size)
-            self._counters["puts"] += 1
         return True
 
-    def _write_file(self, path: str, header: bytes, payload: list[memoryview]) -> None:
+    def _write_file(
+        self, path: str, header: bytes, payload: list[memoryview], key: ChunkKey, size: int
+    ) -> None:
+        """Write a temporary file, then publish it (rename), index it and end the
+        reservation of ``size`` bytes in one step under the lock (on an error the
+        caller ends the reservation)."""
         directory = os.path.dirname(path)
         self._makedirs(directory)
         tmp = os.path.join(
@@ -456,7 +439,11 @@ class DiskBackend(Backend):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
+            with self._lock:
+                os.replace(tmp, path)
+                self._reserved -= size
+                self._add_locked(key, size)
+                self._counters["puts"] += 1
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -473,31 +460,32 @@ class DiskBackend(Backend):
         for key in keys:
             with self._lock:
                 known = self._forget_locked(key)
-            try:
-                os.unlink(self._path(key))
-                removed = True
-            except OSError:
-                removed = False
+                try:
+                    os.unlink(self._path(key))
+                    removed = True
+                except OSError:
+                    removed = False
             n += known or removed
         self._count_n("deletes", n)
         return n
 
     def clear(self) -> None:
+        # under the lock, as every change to a final path: a put finishing meanwhile
+        # either lands before (and is cleared) or after (and stays indexed)
         with self._lock:
-            keys = list(self._index)
-            for key in keys:
+            for key in list(self._index):
                 self._forget_locked(key)
-        dirs = [self._root]
-        try:
-            dirs += [e.path for e in os.scandir(self._root) if e.is_dir(follow_symlinks=False)]
-        except OSError:
-            return
-        for d in dirs:
+            dirs = [self._root]
             try:
-                names = [e.path for e in os.scandir(d) if _ENTRY_RE.match(e.name)]
+                dirs += [e.path for e in os.scandir(self._root) if e.is_dir(follow_symlinks=False)]
             except OSError:
-                continue
-            self._unlink_all(names)
+                return
+            for d in dirs:
+                try:
+                    names = [e.path for e in os.scandir(d) if _ENTRY_RE.match(e.name)]
+                except OSError:
+                    continue
+                self._unlink_all(names)
 
     def iter_keys(self) -> Iterator[ChunkKey]:
         with self._lock:
@@ -593,6 +581,22 @@ def _byte_view(buf: Any) -> memoryview:
     """A flat byte view of a contiguous buffer (no copy)."""
     mv = memoryview(buf)
     return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
+
+
+def _file_size(path: str) -> int | None:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
+
+
+def _same_file(path: str, st: os.stat_result) -> bool:
+    """``path`` still names the file ``st`` describes (not deleted or replaced)."""
+    try:
+        cur = os.stat(path)
+    except OSError:
+        return False
+    return (cur.st_ino, cur.st_dev) == (st.st_ino, st.st_dev)
 
 
 def _flat_parts(parts: Sequence[Any]) -> list[memoryview]:
