@@ -11,7 +11,12 @@ from kvsdk.transfer_cpu import CPUTransferWorker
 
 
 def roundtrip(
-    block_shape: tuple[int, ...], num_layers: int, bpc: int, extra_slot_bytes: int, shared: bool
+    block_shape: tuple[int, ...],
+    num_layers: int,
+    bpc: int,
+    extra_slot_bytes: int,
+    shared: bool,
+    sync_stores: bool = False,
 ) -> None:
     gen = torch.Generator().manual_seed(0)
     if shared:  # vLLM's layout: every layer a view of one storage
@@ -32,7 +37,7 @@ def roundtrip(
     slots = np.repeat(np.array([7, 3], dtype=np.int64), bpc)
     offsets = np.tile(np.arange(bpc, dtype=np.int64), 2)
     copies = (BlockCopies(0, blocks, slots, offsets),)
-    w = CPUTransferWorker()
+    w = CPUTransferWorker(sync_stores=sync_stores)
     w.register([g_src], slab)
     w.submit(TransferJob(1, Direction.STORE, copies))
     w.wait([1])
@@ -60,10 +65,11 @@ def roundtrip(
         ((2, 4, 8), 2, 2, 40),  # slot larger than the chunk and not a multiple of a block
     ],
 )
+@pytest.mark.parametrize("sync_stores", [False, True])
 def test_store_then_load_copies_exact_blocks(
-    block_shape: tuple[int, ...], layers: int, bpc: int, extra: int, shared: bool
+    block_shape: tuple[int, ...], layers: int, bpc: int, extra: int, shared: bool, sync_stores: bool
 ) -> None:
-    roundtrip(block_shape, layers, bpc, extra, shared)
+    roundtrip(block_shape, layers, bpc, extra, shared, sync_stores)
 
 
 def test_a_failing_copy_is_reported_not_raised() -> None:
@@ -125,3 +131,24 @@ def test_copies_of_unequal_lengths_fail_the_job() -> None:
     (res,) = w.poll()
     assert not res.ok and "length" in (res.error or "")
     w.shutdown()
+
+
+def test_stores_run_inline_when_torch_threads_span_every_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvsdk.transfer_cpu
+
+    monkeypatch.setattr(kvsdk.transfer_cpu.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(kvsdk.transfer_cpu.torch, "get_num_threads", lambda: 4)
+    inline = CPUTransferWorker()
+    monkeypatch.setattr(kvsdk.transfer_cpu.torch, "get_num_threads", lambda: 2)
+    threaded = CPUTransferWorker()
+    assert inline.sync_stores and not threaded.sync_stores
+    t = torch.arange(64, dtype=torch.uint8).reshape(4, 16)
+    slab = torch.zeros((2, 16), dtype=torch.uint8)
+    inline.register([GroupLayers(0, (t,), 1)], slab)
+    inline.submit(TransferJob(5, Direction.STORE, (BlockCopies(0, [2], [1], [0]),)))
+    (res,) = inline.poll()  # done before submit returned: no wait needed
+    assert res.ok and torch.equal(slab[1], t[2])
+    inline.shutdown()
+    threaded.shutdown()
