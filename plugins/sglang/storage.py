@@ -85,7 +85,7 @@ from kvsdk.backend import Backend
 from kvsdk.burst_log import BurstLog
 from kvsdk.config import ConfigError, KVSDKConfig
 from kvsdk.events import EventKind, EventTracker, KVEvent
-from kvsdk.keys import GroupLayout, Namespace, chunk_key
+from kvsdk.keys import GroupLayout, Namespace, chunk_keys
 from kvsdk.metrics import Metrics, start_prometheus_exporter
 from kvsdk.planner import LookupPlanner, PlanRequest
 from kvsdk.plugins.sglang.config import load_storage_config
@@ -461,7 +461,7 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         """kvsdk chunk keys for SGLang page hashes."""
         assert self.namespace is not None
         fp = self.namespace.fingerprint
-        return [chunk_key(fp, _page_key_bytes(h), 0) for h in page_hashes]
+        return chunk_keys(fp, [_page_key_bytes(h) for h in page_hashes], 0)
 
     # -- zero-copy v1 ----------------------------------------------------------------
     def batch_get_v1(

@@ -364,9 +364,10 @@ class _SchedulerSide:
         requests, due = self.requests, self.core.store_due
         for rid, n in so.num_scheduled_tokens.items():
             req = requests.get(rid)
-            # only requests that may complete a chunk to store this step
-            if req is not None and req.num_computed_tokens + n >= due.get(rid, 1 << 62):
-                upto = req.num_computed_tokens + n
+            if req is None:
+                continue
+            upto = req.num_computed_tokens + n
+            if upto >= due.get(rid, upto + 1):  # only requests that may complete a chunk
                 computed[rid] = upto if upto < req.num_tokens else req.num_tokens
         finished: dict[str, int] = {}
         for rid in so.finished_req_ids or ():
