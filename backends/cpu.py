@@ -20,7 +20,7 @@ from kvsdk.backend import Buffer, HostTier, TierContext
 from kvsdk.config import BYTES
 from kvsdk.eviction import EvictionPolicy, LRUPolicy
 from kvsdk.hooks import hookimpl
-from kvsdk.slab import host_slab, release_slab
+from kvsdk.slab import SharedSlab, SlabGeometry
 from kvsdk.types import ChunkKey, Locality, Medium
 
 _READY, _WRITING = 1, 2
@@ -53,9 +53,15 @@ class CPUBackend(HostTier):
         pin = options.pin_memory == "always" or (
             options.pin_memory == "auto" and torch.cuda.is_available()
         )
-        self._slab_name: str | None = context.extra.get("slab_name")
-        if self._slab_name:  # shared with the engine's worker side
-            self._slab = host_slab(self._slab_name, n, self.slot_bytes, pin=pin)
+        self._shared: SharedSlab | None = None
+        slab_name: str | None = context.extra.get("slab_name")
+        if slab_name:  # shared memory: the engine's worker processes attach to it
+            regions = int(context.extra.get("slab_regions", 1))
+            if self.slot_bytes % regions:
+                raise ValueError(f"cpu tier: a {self.slot_bytes} B slot has no {regions} regions")
+            geometry = SlabGeometry(n, self.slot_bytes // regions, regions)
+            self._shared = SharedSlab.create(slab_name, geometry)
+            self._slab = self._shared.tensor  # each worker pins its own mapping for DMA
         else:
             self._slab = torch.empty((n, self.slot_bytes), dtype=torch.uint8, pin_memory=pin)
         self._np = self._slab.numpy()
@@ -246,8 +252,8 @@ class CPUBackend(HostTier):
         return (k for k, s in list(self._state.items()) if s == _READY)
 
     def close(self) -> None:
-        if self._slab_name:
-            release_slab(self._slab_name)
+        if self._shared is not None:
+            self._shared.unlink()
 
     def stats(self) -> dict[str, float]:
         return {

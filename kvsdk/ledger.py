@@ -64,6 +64,10 @@ class JobLedger:
         r = self._requests.get(req_id)
         return bool(r and r.jobs)
 
+    def has_store_jobs(self, req_id: ReqId) -> bool:
+        r = self._requests.get(req_id)
+        return bool(r and any(self._jobs[j].is_store for j in r.jobs))
+
     def jobs_of(self, req_id: ReqId) -> frozenset[JobId]:
         r = self._requests.get(req_id)
         return frozenset(r.jobs) if r else frozenset()

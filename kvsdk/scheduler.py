@@ -485,12 +485,16 @@ class OffloadScheduler:
                 self.store.complete_store(keys, ok=bool(ok))
         return failed_blocks
 
-    def request_finished(self, req_id: ReqId) -> None:
-        """The engine is done with the request (its blocks are about to be freed).
-        Remaining chunks are stored by the next ``build_step`` via ``finished``."""
+    def request_finished(self, req_id: ReqId, num_tokens: int | None = None) -> bool:
+        """The engine is done with the request. Remaining chunks (up to
+        ``num_tokens``, the tokens whose KV it computed) are stored by the next
+        ``build_step`` via ``finished``. Returns whether the request's blocks
+        must stay allocated until its stores land: stores are in flight, or
+        its last chunks are stored next step (blocks freed now could be
+        reallocated, zeroed or overwritten before a store reads them)."""
         r = self._requests.get(req_id)
         if r is None:
-            return
+            return False
         r.engine_finished = True
         self._awaiting_final_store.add(req_id)
         if r.deferred_since is not None:
@@ -498,6 +502,12 @@ class OffloadScheduler:
                 "kvsdk_lookup_delay_seconds", time.perf_counter() - r.deferred_since, kind="async"
             )
             r.deferred_since = None
+        final_store_due = (
+            num_tokens is not None
+            and num_tokens >= r.next_store_at
+            and req_id not in self._loading_requests
+        )
+        return final_store_due or self.ledger.has_store_jobs(req_id)
 
     def _finish(self, req_id: ReqId) -> None:
         self._awaiting_final_store.discard(req_id)

@@ -124,6 +124,22 @@ class TransferWorker(ABC):
     def shutdown(self) -> None: ...
 
 
+def slab_span(slab: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A ``(num_slots, width)`` uint8 slab whose rows may be strided (one rank's
+    region of a shared slab) as ``(flat, slot_stride)``: slot ``s`` starts at
+    byte ``s * slot_stride`` of the 1-D ``flat`` view, which spans from the
+    first slot's start to the last slot's end (other ranks' bytes in between)."""
+    if slab.dim() != 2 or slab.dtype != torch.uint8 or slab.stride(1) != 1:
+        raise ValueError(
+            "the host slab must be a uint8 (num_slots, slot_bytes) tensor with contiguous rows"
+        )
+    n, width = int(slab.shape[0]), int(slab.shape[1])
+    stride = int(slab.stride(0)) if n > 1 else width
+    if stride < width:
+        raise ValueError("the host slab's rows overlap")
+    return slab.as_strided(((n - 1) * stride + width,), (1,)), stride
+
+
 def slot_views(slab: torch.Tensor, g: GroupLayers) -> torch.Tensor:
     """The slab as ``(num_slots, num_layers, blocks_per_chunk, block_bytes)`` for group ``g``."""
     need = g.chunk_bytes

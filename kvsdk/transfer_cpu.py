@@ -27,6 +27,7 @@ from kvsdk.transfer import (
     TransferWorker,
     as_index,
     block_bytes_view,
+    slab_span,
     slot_views,
 )
 
@@ -108,8 +109,8 @@ class _GroupPlan:
         self.num_layers = len(g.layers)
         self.blocks_per_chunk = g.blocks_per_chunk
         self.layers = [block_bytes_view(t) for t in g.layers]
-        slot_bytes = int(slab.shape[1])
-        self.rows_per_slot = slot_bytes // bb if slot_bytes % bb == 0 else 0
+        flat, slot_stride = slab_span(slab)
+        self.rows_per_slot = slot_stride // bb if slot_stride % bb == 0 else 0
         self.slot_view = slot_views(slab, g)
         self.slab_rows: torch.Tensor | None = None
         self.engine_rows: torch.Tensor | None = None
@@ -117,7 +118,8 @@ class _GroupPlan:
         self._stages: dict[Direction, torch.Tensor] = {}
         fused = _fused_rows(self.layers)
         if self.rows_per_slot and fused is not None:
-            slab_rows, engine_rows = _wide(slab.view(-1, bb)), _wide(fused[0])
+            rows = flat[: len(flat) // bb * bb].view(-1, bb)
+            slab_rows, engine_rows = _wide(rows), _wide(fused[0])
             if slab_rows.dtype == engine_rows.dtype:
                 self.slab_rows, self.engine_rows, self.layer_starts = (
                     slab_rows,

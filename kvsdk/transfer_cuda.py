@@ -51,6 +51,7 @@ from kvsdk.transfer import (
     TransferJob,
     TransferResult,
     TransferWorker,
+    slab_span,
 )
 
 log = logging.getLogger(__name__)
@@ -330,10 +331,7 @@ class CUDATransferWorker(TransferWorker):
             for t in g.layers:
                 if t.device != device:
                     raise ValueError(f"KV group {g.group}: layers on {t.device} and {device}")
-        if slab.dim() != 2 or slab.dtype != torch.uint8 or not slab.is_contiguous():
-            raise ValueError(
-                "the host slab must be a contiguous uint8 (num_slots, slot_bytes) tensor"
-            )
+        slab_flat, slot_stride = slab_span(slab)  # rows may be strided: a rank's region
         if slab.device.type != "cpu":
             raise ValueError(f"the host slab must be in host memory, got {slab.device}")
         rt = self._runtime if self._runtime is not None else CudaRuntime(device)
@@ -366,9 +364,9 @@ class CUDATransferWorker(TransferWorker):
                 len(layout.views),
                 " (all layers fused)" if layout.fused else "",
             )
-        self._pinned_here = rt.pin(slab)
-        self._slab, self._slab_flat = slab, slab.view(-1)
-        self._num_slots, self._slot_bytes = num_slots, slot_bytes
+        self._pinned_here = rt.pin(slab_flat)
+        self._slab, self._slab_flat = slab_flat, slab_flat
+        self._num_slots, self._slot_bytes = num_slots, slot_stride
         for d in Direction:
             self._streams[d] = rt.new_stream()
             self._staging[d] = _Staging(rt.empty(self.staging_bytes))

@@ -10,13 +10,19 @@ from kvsdk.config import ConfigError, KVSDKConfig
 from kvsdk.events import EventTracker
 from kvsdk.keys import Namespace
 from kvsdk.metrics import Metrics, start_prometheus_exporter
+from kvsdk.slab import SlabError
 from kvsdk.store.tiered import TieredStore
 
 _exporters: dict[int, Metrics] = {}
 
 
 def build_tiers(
-    config: KVSDKConfig, namespace: Namespace, chunk_bytes: int, *, slab_name: str | None = None
+    config: KVSDKConfig,
+    namespace: Namespace,
+    chunk_bytes: int,
+    *,
+    slab_name: str | None = None,
+    slab_regions: int = 1,
 ) -> list[Backend]:
     backends = plugins_manager.backends()
     policy = plugins_manager.eviction_policies()[config.eviction]
@@ -29,11 +35,11 @@ def build_tiers(
                 chunk_bytes=chunk_bytes,
                 tier_index=i,
                 policy_factory=partial(policy),
-                extra={"slab_name": slab_name} if slab_name else {},
+                extra={"slab_name": slab_name, "slab_regions": slab_regions} if slab_name else {},
             )
             try:
                 tiers.append(backends[tier.backend](tier.options, ctx))
-            except (ValueError, OSError) as exc:
+            except (ValueError, OSError, SlabError) as exc:
                 raise ConfigError(f"tiers[{i}] ({tier.backend}): {exc}") from None
     except BaseException:
         for t in tiers:
@@ -49,10 +55,14 @@ def build_store(
     *,
     metrics: Metrics | None = None,
     slab_name: str | None = None,
+    slab_regions: int = 1,
 ) -> TieredStore:
-    """``slab_name`` shares the host tier's slab with an engine's worker side
-    (see :mod:`kvsdk.slab`)."""
-    host, *lower = build_tiers(config, namespace, chunk_bytes, slab_name=slab_name)
+    """``slab_name``: the host tier's slab is the shared-memory segment of
+    that name, with ``slab_regions`` rank regions per slot, which an engine's
+    worker processes attach to (see :mod:`kvsdk.slab`)."""
+    host, *lower = build_tiers(
+        config, namespace, chunk_bytes, slab_name=slab_name, slab_regions=slab_regions
+    )
     assert isinstance(host, HostTier)
     metrics = metrics or Metrics()
     port = config.metrics.prometheus_port
@@ -72,12 +82,3 @@ def build_store(
         tenant_quotas=config.tenant_quotas,
         io_threads=config.io_threads,
     )
-
-
-def host_slab_geometry(config: KVSDKConfig, chunk_bytes: int) -> tuple[int, int]:
-    """``(num_slots, slot_bytes)`` of the host tier's slab for this config, so
-    an engine's worker side can attach to the slab its scheduler side builds."""
-    capacity = getattr(config.tiers[0].options, "capacity", None)
-    if not isinstance(capacity, int):
-        raise ConfigError(f"tiers[0] ({config.tiers[0].backend}): has no byte capacity")
-    return capacity // chunk_bytes, chunk_bytes

@@ -19,6 +19,7 @@ import torch
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
@@ -34,12 +35,13 @@ from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 from vllm.v1.request import RequestStatus
 
 from kvsdk import plugins_manager
+from kvsdk.config import ConfigError
 from kvsdk.events import EventKind, KVEvent
 from kvsdk.metrics import COUNTERS
 from kvsdk.plugins.vllm.layout import EngineLayout, engine_layout
 from kvsdk.scheduler import OffloadScheduler, WorkerResult
-from kvsdk.slab import host_slab
-from kvsdk.store.factory import build_store, host_slab_geometry
+from kvsdk.slab import SharedSlab, SlabError
+from kvsdk.store.factory import build_store
 from kvsdk.transfer import Direction, GroupLayers, TransferJob, TransferWorker
 from kvsdk.types import Locality
 
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("kvsdk.vllm")
+log = logging.getLogger("vllm.kvsdk")  # shown by vLLM's own log handler
 
 ACTIVE_SCHEDULER_SIDES: list[_SchedulerSide] = []
 """Live scheduler sides in this process (for ``kvsdk demo`` and ``kvsdk inspect``)."""
@@ -63,7 +65,33 @@ class KVSDKConnectorMetadata(KVConnectorMetadata):
     loads: dict[int, tuple[str, TransferJob]] = field(default_factory=dict)
     """job id → (request id, job)"""
     stores: list[TransferJob] = field(default_factory=list)
+    store_requests: list[str] = field(default_factory=list)
+    """The request of each store job."""
     flush: frozenset[int] = frozenset()
+    release: frozenset[str] = frozenset()
+    """Finished requests whose blocks vLLM holds for kvsdk (``request_finished``
+    returned True) and whose last stores are in this step: each worker reports
+    one as sent once its stores of that request are done; vLLM frees the
+    blocks when every worker has."""
+
+
+@dataclass
+class KVSDKHandshake(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler side once at start-up."""
+
+    machine: str
+    region: int
+    error: str | None = None
+
+
+def machine_id() -> str:
+    """This machine's boot id (processes on one machine share it)."""
+    try:
+        return open("/proc/sys/kernel/random/boot_id").read().strip()
+    except OSError:
+        import socket
+
+        return socket.gethostname()
 
 
 @dataclass
@@ -142,14 +170,18 @@ class KVSDKConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        self.layout: EngineLayout = engine_layout(vllm_config, kv_cache_config)
         self._sched: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            self.layout: EngineLayout = engine_layout(vllm_config, kv_cache_config)
             _recompute_failed_loads(vllm_config)
             self._sched = _SchedulerSide(self.layout, vllm_config)
         else:
-            self._worker = _WorkerSide(self.layout)
+            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+            pp_rank, tp_rank = get_pp_group().rank_in_group, get_tp_group().rank_in_group
+            self.layout = engine_layout(vllm_config, kv_cache_config, pp_rank=pp_rank)
+            self._worker = _WorkerSide(self.layout, pp_rank, tp_rank)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -180,20 +212,23 @@ class KVSDKConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self.sched.request_finished(request)
-        return False, None
+        return self.sched.request_finished(request), None
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self.sched.request_finished(request)
-        return False, None
+        return self.sched.request_finished(request), None
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        self.sched.check_workers(metadata)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self.sched.take_events()
 
     def has_pending_push_work(self) -> bool:
-        return self.sched.core.has_pending_work()
+        return self.sched.has_pending_work()
 
     def reset_cache(self) -> bool | None:
         self.sched.reset()
@@ -229,6 +264,9 @@ class KVSDKConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self.worker.handshake()
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KVSDKConnectorMetadata)
         self.worker.flush(kv_connector_metadata)
@@ -252,7 +290,8 @@ class KVSDKConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.submit_stores(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self.worker.poll()
+        recving = self.worker.poll()
+        return self.worker.take_released(), recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
@@ -272,6 +311,13 @@ def _has_event_sinks() -> bool:
     return bool(plugins_manager.plugin_manager().hook.kvsdk_publish_events.get_hookimpls())
 
 
+def _computed_at_finish(req: Request) -> int:
+    """Tokens of a finished request whose KV the engine computed."""
+    if req.status is RequestStatus.FINISHED_ABORTED:
+        return int(req.num_computed_tokens)
+    return max(req.num_prompt_tokens, req.num_tokens - 1)  # the last sampled token has none
+
+
 def _recompute_failed_loads(vllm_config: Any) -> None:
     """A cache that fails to load is a miss: vLLM must recompute, not fail the
     request. vLLM reads this policy right after building the connector."""
@@ -289,7 +335,11 @@ class _SchedulerSide:
     def __init__(self, layout: EngineLayout, vllm_config: Any) -> None:
         self.layout = layout
         self.store = build_store(
-            layout.config, layout.namespace, layout.chunk_bytes, slab_name=layout.slab_name
+            layout.config,
+            layout.namespace,
+            layout.chunk_bytes,
+            slab_name=layout.slab_name,
+            slab_regions=layout.ranks.num_regions,
         )
         kv_events = getattr(vllm_config, "kv_events_config", None)
         if not (kv_events and kv_events.enable_kv_cache_events) and not _has_event_sinks():
@@ -314,14 +364,42 @@ class _SchedulerSide:
         self._reported: dict[str, float] = {}
         self._reported_version = -1
         self.preemptions = 0
+        self._held: set[str] = set()
+        """Finished requests whose blocks vLLM keeps until their stores land."""
+        self._releasing: set[str] = set()
+        """Held requests handed to the workers to release, not yet freed by vLLM."""
         ACTIVE_SCHEDULER_SIDES.append(self)
         log.info(
-            "kvsdk: %d KV group(s), chunk %d tokens / %d B, host tier %s slots",
-            len(layout.groups),
+            "kvsdk: KV groups %s, chunk %d tokens / %d B (%d rank region(s)), host tier %s "
+            "slots in shared memory %s",
+            ",".join(g.kind.value for g in layout.groups),
             layout.config.chunk_tokens,
             layout.chunk_bytes,
+            layout.ranks.num_regions,
             self.store.host.num_slots,
+            layout.slab_name,
         )
+
+    def check_workers(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Start-up: every worker attached to this engine's slab, on this machine."""
+        here = machine_id()
+        ranks = self.layout.ranks
+        for (pp_rank, tp_rank), hs in sorted(metadata.items()):
+            if not isinstance(hs, KVSDKHandshake):
+                continue
+            if hs.machine != here:
+                raise ConfigError(
+                    f"vLLM worker pp={pp_rank} tp={tp_rank} runs on another machine than the "
+                    "scheduler: workers on other machines are not supported by kvsdk yet"
+                )
+            if hs.error:
+                raise ConfigError(f"vLLM worker pp={pp_rank} tp={tp_rank}: {hs.error}")
+            if hs.region != ranks.region_index(pp_rank, tp_rank):
+                raise ConfigError(
+                    f"vLLM worker pp={pp_rank} tp={tp_rank} took region {hs.region}, expected "
+                    f"{ranks.region_index(pp_rank, tp_rank)}"
+                )
+        log.info("kvsdk: %d worker(s) attached to %s", len(metadata), self.layout.slab_name)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -372,12 +450,8 @@ class _SchedulerSide:
         finished: dict[str, int] = {}
         for rid in so.finished_req_ids or ():
             req = self.requests.pop(rid, None)
-            if req is None:
-                continue
-            if req.status is RequestStatus.FINISHED_ABORTED:
-                finished[rid] = req.num_computed_tokens
-            else:  # the last sampled token's KV was never computed
-                finished[rid] = max(req.num_prompt_tokens, req.num_tokens - 1)
+            if req is not None:
+                finished[rid] = _computed_at_finish(req)
         copies = [c.dst_block_id for c in (so.kv_cache_block_copies or ())]
         self.preemptions += len(so.preempted_req_ids or ())
         jobs = self.core.build_step(
@@ -388,10 +462,24 @@ class _SchedulerSide:
             finished=finished,
             reallocated_block_ids=copies,
         )
-        loads = {j.job_id: (self.core.job_request(j.job_id), j) for j in jobs.loads}
-        return KVSDKConnectorMetadata(loads=loads, stores=list(jobs.stores), flush=jobs.flush)
+        job_request = self.core.job_request
+        loads = {j.job_id: (job_request(j.job_id), j) for j in jobs.loads}
+        release: frozenset[str] = frozenset()
+        if self._held and finished:
+            release = frozenset(self._held.intersection(finished))  # their last stores are in this step
+            self._held -= release
+            self._releasing |= release
+        return KVSDKConnectorMetadata(
+            loads=loads,
+            stores=list(jobs.stores),
+            store_requests=[job_request(j.job_id) for j in jobs.stores],
+            flush=jobs.flush,
+            release=release,
+        )
 
     def update_connector_output(self, out: KVConnectorOutput) -> None:
+        if self._releasing and out.finished_sending:
+            self._releasing -= out.finished_sending
         meta = out.kv_connector_worker_meta
         if not isinstance(meta, KVSDKWorkerMetadata):
             return
@@ -408,9 +496,16 @@ class _SchedulerSide:
         if meta.load_bytes:
             self.store.metrics.inc("kvsdk_loaded_bytes_total", meta.load_bytes, tier=0)
 
-    def request_finished(self, request: Request) -> None:
-        self.requests[request.request_id] = request
-        self.core.request_finished(request.request_id)
+    def request_finished(self, request: Request) -> bool:
+        """True: vLLM keeps the request's blocks until a later step's
+        ``release`` (its stores read them; freed blocks may be zeroed or
+        rewritten before a flush could run)."""
+        rid = request.request_id
+        self.requests[rid] = request
+        if not self.core.request_finished(rid, _computed_at_finish(request)):
+            return False
+        self._held.add(rid)
+        return True
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         events = self.core.take_events()
@@ -464,6 +559,9 @@ class _SchedulerSide:
         self._reported = now
         return KVSDKConnectorStats(data=delta) if delta else None
 
+    def has_pending_work(self) -> bool:
+        return bool(self._held or self._releasing) or self.core.has_pending_work()
+
     def reset(self) -> None:
         self.core.reset()
 
@@ -474,8 +572,11 @@ class _SchedulerSide:
 
 
 class _WorkerSide:
-    def __init__(self, layout: EngineLayout) -> None:
+    def __init__(self, layout: EngineLayout, pp_rank: int, tp_rank: int) -> None:
         self.layout = layout
+        self.region = layout.ranks.region_index(pp_rank, tp_rank)
+        self.stores_here = layout.ranks.stores_from(tp_rank)
+        """False on TP ranks > 0 of an MLA model: rank 0 stores the replicated KV."""
         name = layout.config.transfer
         workers = plugins_manager.transfer_workers()
         if name == "auto":
@@ -483,9 +584,14 @@ class _WorkerSide:
         self._name = name
         self._workers = workers
         self.xfer: TransferWorker | None = None
+        self._groups: list[GroupLayers] = []
+        self._slab: SharedSlab | None = None
         self._load_req: dict[int, str] = {}
         self._load_blocks: dict[int, set[int]] = {}
-        self._unsubmitted: list[TransferJob] = []
+        self._store_req: dict[int, str] = {}
+        self._stores_of: dict[str, int] = {}
+        """Per request, its store jobs submitted here and not finished."""
+        self._releasing: set[str] = set()
         self._submitted: set[int] = set()
         self._meta = KVSDKWorkerMetadata()
         self._load_errors: set[int] = set()
@@ -496,43 +602,76 @@ class _WorkerSide:
         if self.layout.config.transfer == "auto":
             name = "cuda" if first.is_cuda and "cuda" in self._workers else "cpu"
         self.xfer = self._workers[name]()
-        groups = [
+        self._groups = [
             GroupLayers(g.index, tuple(kv_caches[n] for n in layers), g.blocks_per_chunk)
             for g, layers in zip(self.layout.groups, self.layout.group_layers, strict=True)
         ]
-        n_slots, slot_bytes = host_slab_geometry(self.layout.config, self.layout.chunk_bytes)
-        slab = host_slab(self.layout.slab_name, n_slots, slot_bytes)
-        self.xfer.register(groups, slab)
         log.info(
-            "kvsdk worker: %s transfer worker, %d layers, block %d B",
+            "kvsdk worker: %s transfer worker, %d layers, block %d B, slot region %d",
             name,
-            sum(len(g.layers) for g in groups),
-            groups[0].block_bytes,
+            sum(len(g.layers) for g in self._groups),
+            self._groups[0].block_bytes,
+            self.region,
         )
 
+    def handshake(self) -> KVSDKHandshake:
+        """Start-up (after the scheduler side built the slab): attach now, so a
+        layout kvsdk cannot serve fails the engine's start, not a request."""
+        try:
+            self._attach()
+        except SlabError as exc:
+            return KVSDKHandshake(machine_id(), self.region, str(exc))
+        return KVSDKHandshake(machine_id(), self.region)
+
+    def _attach(self) -> TransferWorker:
+        """The transfer worker, bound to this rank's region of the engine's shared slab."""
+        assert self.xfer is not None, "register_kv_caches first"
+        if self._slab is None:
+            slab = SharedSlab.attach(self.layout.slab_name)
+            if slab.geometry.num_regions != self.layout.ranks.num_regions:
+                raise SlabError(
+                    f"shared slab {slab.name} has {slab.geometry.num_regions} rank regions, "
+                    f"this engine {self.layout.ranks.num_regions}"
+                )
+            need = max(g.chunk_bytes for g in self._groups)
+            if need > slab.geometry.region_bytes:
+                raise SlabError(
+                    f"this rank's chunk of {need} B does not fit its {slab.geometry.region_bytes} "
+                    "B slot region: pipeline stages with unequal KV layouts are not supported yet"
+                )
+            self.xfer.register(self._groups, slab.region(self.region))
+            self._slab = slab
+        return self.xfer
+
     def _submit(self, job: TransferJob) -> None:
-        assert self.xfer is not None
         if job.job_id in self._submitted:
             return
+        if job.direction is Direction.STORE and not self.stores_here:
+            # another TP rank stores this replicated KV
+            self._meta.completed[job.job_id] = self._meta.completed.get(job.job_id, 0) + 1
+            return
         self._submitted.add(job.job_id)
-        self.xfer.submit(job)
+        self._attach().submit(job)
+
+    def _submit_stores(self, meta: KVSDKConnectorMetadata, only: frozenset[int] | None) -> None:
+        for job in meta.stores:
+            if only is None or job.job_id in only:
+                self._submit(job)
 
     def flush(self, meta: KVSDKConnectorMetadata) -> None:
         """Before the forward pass: stores reading blocks about to be reused go first."""
-        assert self.xfer is not None
-        for job in self._unsubmitted:
-            self._submit(job)
-        self._unsubmitted.clear()
-        for job in meta.stores:
-            if job.job_id in meta.flush:
-                self._submit(job)
         if meta.flush:
-            self.xfer.wait(meta.flush)
+            self._submit_stores(meta, meta.flush)
+            self._attach().wait(meta.flush)
 
     def start_loads(self, meta: KVSDKConnectorMetadata) -> None:
-        for job in self._unsubmitted:
-            self._submit(job)
-        self._unsubmitted.clear()
+        """Also counts the step's stores per request (submitted later, after the
+        forward pass) before ``get_finished`` can look at a request."""
+        if self.stores_here:
+            for job, req in zip(meta.stores, meta.store_requests, strict=True):
+                self._store_req[job.job_id] = req
+                self._stores_of[req] = self._stores_of.get(req, 0) + 1
+        self._releasing |= meta.release
         for job_id, (req_id, job) in meta.loads.items():
             self._load_req[job_id] = req_id
             self._load_blocks[job_id] = {int(b) for c in job.copies for b in c.engine_blocks}
@@ -540,12 +679,12 @@ class _WorkerSide:
 
     def submit_stores(self, meta: KVSDKConnectorMetadata) -> None:
         # after the forward pass: the blocks hold this step's KV now
-        for job in meta.stores:
-            if job.job_id not in self._submitted:
-                self._submit(job)
+        self._submit_stores(meta, None)
 
     def poll(self) -> set[str]:
-        assert self.xfer is not None
+        """Loads finished since the last poll, by request (stores are counted)."""
+        if self.xfer is None or self._slab is None:
+            return set()
         done: set[str] = set()
         for r in self.xfer.poll():
             self._submitted.discard(r.job_id)
@@ -569,7 +708,23 @@ class _WorkerSide:
             else:
                 self._meta.store_bytes += r.num_bytes
                 self._meta.store_seconds += r.seconds
+                owner = self._store_req.pop(r.job_id, None)
+                if owner is not None:
+                    left = self._stores_of[owner] - 1
+                    if left:
+                        self._stores_of[owner] = left
+                    else:
+                        del self._stores_of[owner]
         return done
+
+    def take_released(self) -> set[str] | None:
+        """Held requests whose stores on this worker are all done (vLLM frees
+        their blocks once every worker reported them)."""
+        if not self._releasing:
+            return None
+        done = {r for r in self._releasing if r not in self._stores_of}
+        self._releasing -= done
+        return done or None
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,9 +14,10 @@ from typing import Any, BinaryIO
 
 from kvsdk.config import ConfigError, KVSDKConfig, load_config
 from kvsdk.keys import GroupLayout, Namespace
+from kvsdk.slab import segment_name
 from kvsdk.types import GroupKind, KVGroupSpec
 
-log = logging.getLogger("kvsdk.vllm")
+log = logging.getLogger("vllm.kvsdk")  # shown by vLLM's own log handler
 _logged_sources: set[str] = set()
 
 
@@ -26,9 +28,36 @@ class EngineLayout:
     group_layers: tuple[tuple[str, ...], ...]
     """Per kvsdk group, the vLLM layer names in it."""
     namespace: Namespace
+    ranks: RankLayout
     chunk_bytes: int
+    """Bytes of one host slot: every rank's region of one chunk."""
     tokens_per_hash: int
     slab_name: str
+    """The shared-memory segment of this engine's host tier (see :mod:`kvsdk.slab`)."""
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where each tensor/pipeline rank's part of a chunk lives in a host slot.
+
+    Rank ``(pp, tp)`` owns region ``pp * tp_size + tp``. MLA models replicate
+    their latent KV on every TP rank of a stage: one region per stage, stored
+    by its TP rank 0 and loaded by all."""
+
+    tp_size: int
+    pp_size: int
+    replicated_across_tp: bool
+    region_bytes: int
+
+    @property
+    def num_regions(self) -> int:
+        return self.pp_size if self.replicated_across_tp else self.tp_size * self.pp_size
+
+    def region_index(self, pp_rank: int, tp_rank: int) -> int:
+        return pp_rank if self.replicated_across_tp else pp_rank * self.tp_size + tp_rank
+
+    def stores_from(self, tp_rank: int) -> bool:
+        return not self.replicated_across_tp or tp_rank == 0
 
 
 def load_engine_config(extra: dict[str, Any]) -> KVSDKConfig:
@@ -115,15 +144,52 @@ def _weights_fingerprint(model: str, revision: str | None = None) -> str:
     return h.hexdigest()
 
 
-def engine_layout(vllm_config: Any, kv_cache_config: Any) -> EngineLayout:
+def check_process_layout(parallel: Any) -> None:
+    """Fail closed on process layouts whose KV kvsdk cannot place yet."""
+    unsupported = {
+        "nnodes": (getattr(parallel, "nnodes", 1), "workers on other machines"),
+        "decode_context_parallel_size": (
+            getattr(parallel, "decode_context_parallel_size", 1),
+            "KV split across ranks by token",
+        ),
+        "prefill_context_parallel_size": (
+            getattr(parallel, "prefill_context_parallel_size", 1),
+            "KV split across ranks by token",
+        ),
+    }
+    for name, (value, what) in unsupported.items():
+        if int(value) > 1:
+            raise ConfigError(
+                f"parallel_config.{name}={value} ({what}) is not supported by kvsdk yet"
+            )
+
+
+def _stage_layer_ratio(vllm_config: Any, pp_rank: int) -> float:
+    """Largest pipeline stage's layer count over this stage's (1.0 without PP)."""
+    pp = int(vllm_config.parallel_config.pipeline_parallel_size)
+    if pp == 1:
+        return 1.0
+    from vllm.distributed.utils import get_pp_indices
+
+    total = int(vllm_config.model_config.hf_text_config.num_hidden_layers)
+    counts = [end - start for start, end in (get_pp_indices(total, r, pp) for r in range(pp))]
+    return max(counts) / max(1, counts[pp_rank])
+
+
+def engine_layout(vllm_config: Any, kv_cache_config: Any, *, pp_rank: int = 0) -> EngineLayout:
+    """``kv_cache_config`` is the calling process's: the scheduler's (pipeline
+    stage 0's layers) or a worker's (its own stage's, ``pp_rank``)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     kv_cfg = vllm_config.kv_transfer_config
     cfg = load_engine_config(dict(kv_cfg.kv_connector_extra_config or {}))
+    parallel = vllm_config.parallel_config
+    check_process_layout(parallel)
+    stage_ratio = _stage_layer_ratio(vllm_config, pp_rank)
     groups: list[KVGroupSpec] = []
     layers: list[tuple[str, ...]] = []
     layouts: list[GroupLayout] = []
-    chunk_bytes = 0
+    region_bytes = 0
     for gi, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         bs = spec.block_size
@@ -157,9 +223,16 @@ def engine_layout(vllm_config: Any, kv_cache_config: Any) -> EngineLayout:
         )
         layers.append(tuple(group.layer_names))
         layouts.append(GroupLayout((len(group.layer_names), page), str(spec.dtype), kind.value))
-        chunk_bytes = max(chunk_bytes, page * len(group.layer_names) * bpc)
+        # every stage's region fits the largest stage's layers
+        stage_layers = math.ceil(len(group.layer_names) * stage_ratio - 1e-9)
+        region_bytes = max(region_bytes, page * stage_layers * bpc)
     model_cfg = vllm_config.model_config
-    parallel = vllm_config.parallel_config
+    ranks = RankLayout(
+        tp_size=int(parallel.tensor_parallel_size),
+        pp_size=int(parallel.pipeline_parallel_size),
+        replicated_across_tp=bool(getattr(model_cfg, "use_mla", False)),
+        region_bytes=region_bytes,
+    )
     weights = _weights_fingerprint(model_cfg.model, getattr(model_cfg, "revision", None))
     model_id = cfg.model_id or f"{model_cfg.model}@{weights}"
     namespace = Namespace(
@@ -167,13 +240,18 @@ def engine_layout(vllm_config: Any, kv_cache_config: Any) -> EngineLayout:
         dtype=str(model_cfg.dtype),
         groups=tuple(layouts),
         tokens_per_chunk=cfg.chunk_tokens,
-        rank=int(getattr(parallel, "rank", 0)),
-        world_size=int(parallel.tensor_parallel_size * parallel.pipeline_parallel_size),
+        rank=0,  # a chunk holds every rank's part (RankLayout)
+        world_size=ranks.tp_size * ranks.pp_size,
         tenant_salt=cfg.tenant,
     )
     tokens_per_hash = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
-    engine_id = kv_cfg.engine_id or "engine"
-    slab_name = f"vllm:{os.getpid()}:{engine_id}"
     return EngineLayout(
-        cfg, tuple(groups), tuple(layers), namespace, chunk_bytes, int(tokens_per_hash), slab_name
+        cfg,
+        tuple(groups),
+        tuple(layers),
+        namespace,
+        ranks,
+        region_bytes * ranks.num_regions,
+        int(tokens_per_hash),
+        segment_name(str(kv_cfg.engine_id)),
     )

@@ -331,9 +331,10 @@ def test_a_slab_pinned_at_register_is_unpinned_at_shutdown() -> None:
     t = caches("kv_dim1", 1, 0)
     slab = torch.zeros((4, block_bytes(t[0], 0).numel()), dtype=torch.uint8)
     w.register([GroupLayers(0, tuple(t), 1)], slab)
-    assert rt.pinned == [slab]
+    (pinned,) = rt.pinned  # the slab's bytes, as one span
+    assert (pinned.data_ptr(), pinned.numel()) == (slab.data_ptr(), slab.numel())
     w.shutdown()
-    assert rt.unpinned == [slab]
+    assert rt.unpinned == [pinned]
     assert ("synchronize", rt.streams[0]) in rt.calls
 
 

@@ -3,9 +3,10 @@
     python scenarios.py SCENARIO MODEL_DIR OUT_JSON
 
 Each writes greedy tokens, logprobs (as float.hex, for bitwise comparison) and
-``num_cached_tokens`` of every generation it ran. vLLM runs in one process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with a fixed thread count, so reruns of
-the same computation are bitwise reproducible.
+``num_cached_tokens`` of every generation it ran. vLLM runs as users run it:
+its default executor (the scheduler in an EngineCore process, the model
+worker in another), with a fixed thread count so reruns of the same
+computation are bitwise reproducible.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import sys
 import time
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -88,13 +88,19 @@ def generate(
 
 
 def corrupt_host_tier() -> None:
-    """Add noise to every byte kvsdk holds in host RAM (negative control)."""
-    import torch
+    """Add noise to every byte kvsdk holds in host RAM (negative control): the
+    engine's shared-memory slab, written from this (the client) process."""
+    import mmap
 
-    from kvsdk import slab
+    from kvsdk.slab import HEADER_BYTES, PREFIX, SHM_DIR
 
-    for tensor in slab._slabs.values():
-        tensor.copy_(torch.randint_like(tensor, 0, 255))
+    segments = list(SHM_DIR.glob(f"{PREFIX}{os.getuid()}-*"))
+    assert segments, "no kvsdk segment in /dev/shm"
+    noise = random.Random(5)
+    for path in segments:
+        with path.open("r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+            body = len(mm) - HEADER_BYTES
+            mm[HEADER_BYTES:] = noise.randbytes(body)
 
 
 def fail_every_load() -> None:
@@ -229,9 +235,6 @@ def main() -> None:
         res["after"] = generate(llm, P)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
-    from kvsdk.plugins.vllm.connector import ACTIVE_SCHEDULER_SIDES
-
-    res["groups"] = [g.kind.value for g in ACTIVE_SCHEDULER_SIDES[0].layout.groups]
     with open(out_path, "w") as f:
         json.dump(res, f)
 
