@@ -29,6 +29,9 @@ KVSDK_CONFIG: dict[str, Any] = {
 rng = random.Random(1)
 P = [rng.randrange(3, 32000) for _ in range(200)]
 Q = P[:100] + [rng.randrange(3, 32000) for _ in range(60)]
+D = [rng.randrange(3, 32000) for _ in range(520)]
+"""For the defaults: vLLM-CPU's 128-token blocks and kvsdk's 256-token chunks
+both stop at token 512 of it, so kvsdk's hit and vLLM's own cover the same tokens."""
 
 
 def make_llm(
@@ -96,11 +99,13 @@ def corrupt_host_tier() -> None:
 
     segments = list(SHM_DIR.glob(f"{PREFIX}{os.getuid()}-*"))
     assert segments, "no kvsdk segment in /dev/shm"
-    noise = random.Random(5)
+    noise = random.Random(5).randbytes(1 << 20)
     for path in segments:
         with path.open("r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
-            body = len(mm) - HEADER_BYTES
-            mm[HEADER_BYTES:] = noise.randbytes(body)
+            # slots are handed out from the start: the first 64 MiB hold what was stored
+            for at in range(HEADER_BYTES, min(len(mm), 64 << 20), len(noise)):
+                piece = noise[: min(len(noise), len(mm) - at)]
+                mm[at : at + len(piece)] = piece
 
 
 def fail_every_load() -> None:
@@ -124,6 +129,12 @@ def fail_every_load() -> None:
     plugin_manager().register(Plugin(), name="failing-loads")
 
 
+# vLLM spawns its EngineCore and worker processes; each re-imports this module
+# (as __mp_main__), so the failing transfer worker is registered in all of them.
+if os.environ.get("KVSDK_TEST_FAILING_LOADS") == "1":
+    fail_every_load()
+
+
 def main() -> None:
     scenario, model, out_path = sys.argv[1:4]
     res: dict[str, Any] = {}
@@ -142,6 +153,24 @@ def main() -> None:
         llm.reset_prefix_cache(reset_connector=True)
         res["after_full_reset"] = generate(llm, P)
         res["q_local"] = generate(llm, Q)
+    elif scenario == "defaults":
+        # vLLM's defaults (block size, executor) and kvsdk's (no config at all)
+        from vllm import LLM
+
+        llm = LLM(
+            model=model,
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            seed=0,
+            kv_transfer_config={"kv_connector": "KVSDKConnector", "kv_role": "kv_both"},
+        )
+        res["cold"] = generate(llm, D)
+        res["local"] = generate(llm, D)
+        llm.reset_prefix_cache()
+        res["kvsdk"] = generate(llm, D)
+        llm.reset_prefix_cache()
+        corrupt_host_tier()
+        res["corrupt"] = generate(llm, D)
     elif scenario == "corrupt":
         llm = make_llm(model)
         res["cold"] = generate(llm, P)
@@ -227,6 +256,7 @@ def main() -> None:
         llm.reset_prefix_cache()
         res["kvsdk"] = generate(llm, P)
     elif scenario == "failing_loads":
+        os.environ["KVSDK_TEST_FAILING_LOADS"] = "1"
         fail_every_load()
         llm = make_llm(model, transfer="failing-loads")
         res["cold"] = generate(llm, P)

@@ -66,6 +66,18 @@ def test_kvsdk_hit_matches_vllms_own_prefix_hit_bitwise(model_dir: str, tmp_path
     assert same(r["after_full_reset"], r["cold"])
 
 
+def test_vllm_and_kvsdk_defaults_load_bitwise_equal_kv(model_dir: str, tmp_path: Path) -> None:
+    """No kvsdk config, vLLM's default block size and executor (the tests above
+    set 32-token blocks and chunks to keep prompts short)."""
+    r = run("defaults", model_dir, tmp_path)
+    assert r["cold"]["cached"] == 0
+    assert r["local"]["cached"] == 512
+    assert r["kvsdk"]["cached"] == 512
+    assert same(r["kvsdk"], r["local"])
+    assert not same(r["corrupt"], r["local"])  # the comparison catches bad KV
+    assert "KV groups full_attention, chunk 256 tokens" in r["log"]
+
+
 def test_negative_control_corrupted_host_tier_changes_the_output(
     model_dir: str, tmp_path: Path
 ) -> None:
