@@ -198,3 +198,54 @@ def make_tiny_hybrid(
     model.save_pretrained(out, safe_serialization=True)
     (out / MARKER_FILE).write_text(json.dumps(spec))
     return out
+
+
+def make_tiny_mla(path: str | os.PathLike[str], *, seed: int = 0) -> Path:
+    """A tiny DeepSeek-V2 (multi-head latent attention, dense MLPs): vLLM
+    caches one latent KV per token, the same on every tensor-parallel rank."""
+    out = Path(path)
+    spec: dict[str, Any] = {"arch": "deepseek_v2", "seed": seed, "format": _FORMAT_VERSION}
+    if (out / MARKER_FILE).is_file() and json.loads((out / MARKER_FILE).read_text()) == spec:
+        return out
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    layers = 4
+    config = DeepseekV2Config(
+        vocab_size=32000,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        num_hidden_layers=layers,
+        first_k_dense_replace=layers,  # every layer dense: no experts to shard
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=64,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        max_position_embeddings=4096,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        dtype="float32",
+        architectures=["DeepseekV2ForCausalLM"],
+    )
+    with torch.random.fork_rng(devices=[]):
+        model = DeepseekV2ForCausalLM(config)  # type: ignore[no-untyped-call]
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in sorted(params):
+            p = params[name]
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.empty(p.shape).normal_(0.0, 0.1, generator=gen))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / MARKER_FILE).write_text(json.dumps(spec))
+    return out

@@ -77,3 +77,31 @@ def test_two_requests_with_the_same_new_chunk_in_one_step_copy_it_once() -> None
     assert sorted(copied) == [1, 2, 3]  # "a" claimed every slot; "b" writes none
     slots = [sl for j in jobs.stores for c in j.copies for sl in c.slots]
     assert len(set(slots)) == 3
+
+
+def test_a_finished_request_holds_its_blocks_only_while_it_has_something_to_store() -> None:
+    s = make()
+    # "a": its prompt chunks' store still in flight when it finishes
+    s.add_request("a", num_prompt_tokens=8, block_hashes=chain(2))
+    assert s.lookup("a", 0) == 0
+    jobs = s.build_step(computed_after_step={"a": 8}, new_block_ids={"a": [[1, 2]]},
+                        replace_block_ids=["a"])  # fmt: skip
+    assert jobs.stores
+    assert s.request_finished("a", 9) is True  # the store reads its blocks
+    s.worker_results([WorkerResult(j.job_id) for j in jobs.stores])
+    # "b": everything stored; its last chunk is incomplete: nothing to hold for
+    s.add_request("b", num_prompt_tokens=8, block_hashes=chain(2, b"b"))
+    assert s.lookup("b", 0) == 0
+    stored_chunks(s, s.build_step(computed_after_step={"b": 8}, new_block_ids={"b": [[3, 4]]},
+                                  replace_block_ids=["b"]))  # fmt: skip
+    assert s.request_finished("b", 9) is False
+    # "c": generated tokens completed a chunk that is stored at finish
+    hashes = chain(2, b"c")
+    s.add_request("c", num_prompt_tokens=8, block_hashes=hashes)
+    assert s.lookup("c", 0) == 0
+    stored_chunks(s, s.build_step(computed_after_step={"c": 8}, new_block_ids={"c": [[5, 6, 7]]},
+                                  replace_block_ids=["c"]))  # fmt: skip
+    hashes.append(chain(1, hashes[-1])[0])
+    assert s.request_finished("c", 12) is True
+    final = stored_chunks(s, s.build_step(computed_after_step={}, finished={"c": 12}))
+    assert final == [6]  # block 7 holds chunk 2
