@@ -87,6 +87,7 @@ def load_engine_config(extra: dict[str, Any]) -> KVSDKConfig:
     return cfg
 
 
+_PAGE = 4096
 _SAMPLES_PER_TENSOR = 16
 _SAMPLE_BYTES = 256
 
@@ -227,10 +228,22 @@ def engine_layout(vllm_config: Any, kv_cache_config: Any, *, pp_rank: int = 0) -
         stage_layers = math.ceil(len(group.layer_names) * stage_ratio - 1e-9)
         region_bytes = max(region_bytes, page * stage_layers * bpc)
     model_cfg = vllm_config.model_config
+    replicated = bool(getattr(model_cfg, "use_mla", False))
+    if replicated:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            raise ConfigError(
+                "MLA models on vLLM-CPU are not supported by kvsdk: vLLM-CPU turns prefix "
+                "caching off for them because its MLA prefill cannot resume from cached KV"
+            )
+    tp, pp = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
+    if (pp if replicated else tp * pp) > 1:  # each rank's region starts on a page: aligned DMA
+        region_bytes = -(-region_bytes // _PAGE) * _PAGE
     ranks = RankLayout(
-        tp_size=int(parallel.tensor_parallel_size),
-        pp_size=int(parallel.pipeline_parallel_size),
-        replicated_across_tp=bool(getattr(model_cfg, "use_mla", False)),
+        tp_size=tp,
+        pp_size=pp,
+        replicated_across_tp=replicated,
         region_bytes=region_bytes,
     )
     weights = _weights_fingerprint(model_cfg.model, getattr(model_cfg, "revision", None))

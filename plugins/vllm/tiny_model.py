@@ -204,7 +204,12 @@ def make_tiny_mla(path: str | os.PathLike[str], *, seed: int = 0) -> Path:
     """A tiny DeepSeek-V2 (multi-head latent attention, dense MLPs): vLLM
     caches one latent KV per token, the same on every tensor-parallel rank."""
     out = Path(path)
-    spec: dict[str, Any] = {"arch": "deepseek_v2", "seed": seed, "format": _FORMAT_VERSION}
+    spec: dict[str, Any] = {
+        "arch": "deepseek_v2",
+        "seed": seed,
+        "latent": [512, 64, 512],
+        "format": _FORMAT_VERSION,
+    }
     if (out / MARKER_FILE).is_file() and json.loads((out / MARKER_FILE).read_text()) == spec:
         return out
     import torch
@@ -224,10 +229,11 @@ def make_tiny_mla(path: str | os.PathLike[str], *, seed: int = 0) -> Path:
         num_attention_heads=4,
         num_key_value_heads=4,
         q_lora_rank=None,
-        kv_lora_rank=64,
-        qk_rope_head_dim=16,
+        # the sizes vLLM-CPU's MLA decode kernel takes (as DeepSeek-V2/V3)
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
         qk_nope_head_dim=32,
-        v_head_dim=32,
+        v_head_dim=512,
         max_position_embeddings=4096,
         initializer_range=0.1,
         tie_word_embeddings=False,

@@ -78,6 +78,17 @@ def test_vllm_and_kvsdk_defaults_load_bitwise_equal_kv(model_dir: str, tmp_path:
     assert "KV groups full_attention, chunk 256 tokens" in r["log"]
 
 
+def test_an_mla_model_on_vllm_cpu_is_refused_at_start_with_one_sentence(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from kvsdk.plugins.vllm.tiny_model import make_tiny_mla
+
+    model = str(make_tiny_mla(tmp_path_factory.mktemp("model") / "tiny-mla"))
+    r = run("mla_refused", model, tmp_path_factory.mktemp("mla"))
+    assert "refused" in r
+    assert "MLA models on vLLM-CPU are not supported by kvsdk" in r["log"]
+
+
 def test_negative_control_corrupted_host_tier_changes_the_output(
     model_dir: str, tmp_path: Path
 ) -> None:
