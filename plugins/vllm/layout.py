@@ -235,7 +235,7 @@ def engine_layout(vllm_config: Any, kv_cache_config: Any, *, pp_rank: int = 0) -
         if current_platform.is_cpu():
             raise ConfigError(
                 "MLA models on vLLM-CPU are not supported by kvsdk: vLLM-CPU turns prefix "
-                "caching off for them because its MLA prefill cannot resume from cached KV"
+                "caching off for them, and its outputs after a load did not match recomputation"
             )
     tp, pp = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
     if (pp if replicated else tp * pp) > 1:  # each rank's region starts on a page: aligned DMA
