@@ -124,6 +124,14 @@ class JobLedger:
         self._allocated_this_step = set()
         return flush
 
+    def distrust(self, job_ids: Iterable[JobId]) -> None:
+        """These stores may copy blocks the engine already overwrote: they
+        complete as failed, whatever the workers report."""
+        for jid in job_ids:
+            job = self._jobs.get(jid)
+            if job is not None and job.is_store:
+                job.failed = True
+
     # -- jobs ----------------------------------------------------------------------------
     def _new_id(self) -> JobId:
         jid = self._next_id

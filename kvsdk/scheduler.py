@@ -95,7 +95,12 @@ class OffloadScheduler:
         mamba_align_tokens: int | None = None,
         track_chunks_being_loaded: bool = True,
         metrics: Metrics | None = None,
+        blocks_rewritten_before_flush: bool = False,
     ) -> None:
+        """``blocks_rewritten_before_flush``: the engine may zero or overwrite a
+        reallocated block before its workers flush the stores reading it (vLLM's
+        model runner V2 zeroes new blocks and applies copy-on-write first): a
+        store caught by a flush is then discarded, never trusted."""
         self.groups = tuple(groups)
         self.namespace = namespace
         self.ns_fp = namespace.fingerprint
@@ -115,6 +120,7 @@ class OffloadScheduler:
         )
         self.ledger = JobLedger(num_workers)
         self.max_load_tokens = max_load_tokens
+        self.blocks_rewritten_before_flush = blocks_rewritten_before_flush
         self._requests: dict[ReqId, _Request] = {}
         self._being_loaded: dict[ChunkKey, int] | None = {} if track_chunks_being_loaded else None
         self._step_loads: list[TransferJob] = []
@@ -351,6 +357,8 @@ class OffloadScheduler:
             self._finish(req_id)
         loads, self._step_loads = tuple(self._step_loads), []
         flush = frozenset(self.ledger.end_step())
+        if flush and self.blocks_rewritten_before_flush:
+            self.ledger.distrust(flush)
         self.store.step()
         return StepJobs(loads, tuple(stores), flush)
 

@@ -351,6 +351,9 @@ class _SchedulerSide:
             tokens_per_hash=layout.tokens_per_hash,
             max_load_tokens=layout.config.max_load_tokens,
             num_workers=max(1, vllm_config.parallel_config.world_size),
+            # model runner V2 zeroes new blocks and applies copy-on-write
+            # before handle_preemptions: a flushed store may read rewritten bytes
+            blocks_rewritten_before_flush=bool(getattr(vllm_config, "use_v2_model_runner", False)),
         )
         self.requests: dict[str, Request] = {}
         m = self.store.metrics

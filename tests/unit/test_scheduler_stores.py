@@ -105,3 +105,25 @@ def test_a_finished_request_holds_its_blocks_only_while_it_has_something_to_stor
     assert s.request_finished("c", 12) is True
     final = stored_chunks(s, s.build_step(computed_after_step={}, finished={"c": 12}))
     assert final == [6]  # block 7 holds chunk 2
+
+
+def test_a_store_flushed_after_its_blocks_were_rewritten_is_discarded() -> None:
+    """Under vLLM's model runner V2 a reallocated block is zeroed before the
+    flush: the preempted request's store must not publish what it copies."""
+    for rewritten, stored in ((False, True), (True, False)):
+        s = make()
+        s.blocks_rewritten_before_flush = rewritten
+        hashes = chain(2)
+        s.add_request("r", num_prompt_tokens=8, block_hashes=hashes)
+        assert s.lookup("r", 0) == 0
+        jobs = s.build_step(computed_after_step={"r": 8}, new_block_ids={"r": [[1, 2]]},
+                            replace_block_ids=["r"])  # fmt: skip
+        # next step: "r" is preempted and its blocks go to "x" before the store ran
+        s.add_request("x", num_prompt_tokens=8, block_hashes=chain(2, b"x"))
+        assert s.lookup("x", 0) == 0
+        step = s.build_step(computed_after_step={}, new_block_ids={"x": [[1, 2]]},
+                            replace_block_ids=["x"], preempted=["r"])  # fmt: skip
+        assert {j.job_id for j in jobs.stores} <= step.flush
+        s.worker_results([WorkerResult(j.job_id) for j in jobs.stores])
+        keys = s._requests["r"].keys[0]
+        assert [s.store.host.slot_of(k) is not None for k in keys] == [stored, stored]
