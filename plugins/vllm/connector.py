@@ -469,7 +469,8 @@ class _SchedulerSide:
         loads = {j.job_id: (job_request(j.job_id), j) for j in jobs.loads}
         release: frozenset[str] = frozenset()
         if self._held and finished:
-            release = frozenset(self._held.intersection(finished))  # their last stores are in this step
+            # their last stores are in this step
+            release = frozenset(self._held.intersection(finished))
             self._held -= release
             self._releasing |= release
         return KVSDKConnectorMetadata(
