@@ -251,9 +251,14 @@ class CPUBackend(HostTier):
     def iter_keys(self) -> Iterator[ChunkKey]:
         return (k for k, s in list(self._state.items()) if s == _READY)
 
-    def close(self) -> None:
+    def seal(self) -> None:
+        """Every process that moves this slab's bytes has it mapped: remove the
+        shared segment's name, so nothing is left behind however they end."""
         if self._shared is not None:
             self._shared.unlink()
+
+    def close(self) -> None:
+        self.seal()
 
     def stats(self) -> dict[str, float]:
         return {

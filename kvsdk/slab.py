@@ -12,8 +12,12 @@ bytes, so the host tier's slab is a POSIX shared-memory segment:
 - each worker **attaches** (``SharedSlab.attach``) and checks the header:
   same magic, same owner, geometry as announced; a segment that is absent
   means the worker runs on another machine, which is refused;
-- the creator unlinks it when it closes, is collected or its process exits
-  (a ``weakref.finalize``, which also runs at interpreter exit); a segment
+- once every worker attached, the creator removes the name (``unlink``):
+  the memory lives on in each process's mapping and goes with the last of
+  them, so no later kill can leave it behind; the creator keeps one open
+  descriptor of it (tools and tests reach it as ``/proc/<pid>/fd/N``);
+- otherwise the creator unlinks it when it closes, is collected or its
+  process exits (a ``weakref.finalize``, which also runs at exit); a segment
   whose creator died without unlinking (``kill -9``) is reclaimed by the
   next engine that starts (``reclaim_stale``).
 
@@ -126,7 +130,15 @@ def reclaim_stale(shm_dir: Path = SHM_DIR) -> list[str]:
 class SharedSlab:
     """A mapped segment: ``tensor`` is the ``uint8 (num_slots, slot_bytes)`` slab."""
 
-    def __init__(self, name: str, path: Path, mm: mmap.mmap, geometry: SlabGeometry, owner: bool):
+    def __init__(
+        self,
+        name: str,
+        path: Path,
+        mm: mmap.mmap,
+        geometry: SlabGeometry,
+        owner: bool,
+        fd: int | None = None,
+    ):
         self.name = name
         self.path = path
         self.geometry = geometry
@@ -137,6 +149,8 @@ class SharedSlab:
         )
         self.tensor = flat.view(geometry.num_slots, geometry.slot_bytes)
         self._unlink_at_exit = weakref.finalize(self, _unlink_quietly, path) if owner else None
+        if fd is not None:
+            weakref.finalize(self, os.close, fd)
 
     @classmethod
     def create(cls, name: str, geometry: SlabGeometry, *, shm_dir: Path = SHM_DIR) -> SharedSlab:
@@ -185,8 +199,7 @@ class SharedSlab:
             os.close(fd)
             _unlink_quietly(path)
             raise
-        os.close(fd)
-        return cls(name, path, mm, geometry, owner=True)
+        return cls(name, path, mm, geometry, owner=True, fd=fd)
 
     @classmethod
     def attach(cls, name: str, *, shm_dir: Path = SHM_DIR) -> SharedSlab:

@@ -35,6 +35,7 @@ from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 from vllm.v1.request import RequestStatus
 
 from kvsdk import plugins_manager
+from kvsdk.backends.cpu import CPUBackend
 from kvsdk.config import ConfigError
 from kvsdk.events import EventKind, KVEvent
 from kvsdk.metrics import COUNTERS
@@ -341,6 +342,7 @@ class _SchedulerSide:
             slab_name=layout.slab_name,
             slab_regions=layout.ranks.num_regions,
         )
+        self.world_size = max(1, vllm_config.parallel_config.world_size)
         kv_events = getattr(vllm_config, "kv_events_config", None)
         if not (kv_events and kv_events.enable_kv_cache_events) and not _has_event_sinks():
             self.store.events.enabled = False  # nobody would read them: skip the bookkeeping
@@ -350,7 +352,7 @@ class _SchedulerSide:
             self.store,
             tokens_per_hash=layout.tokens_per_hash,
             max_load_tokens=layout.config.max_load_tokens,
-            num_workers=max(1, vllm_config.parallel_config.world_size),
+            num_workers=self.world_size,
             # model runner V2 zeroes new blocks and applies copy-on-write
             # before handle_preemptions: a flushed store may read rewritten bytes
             blocks_rewritten_before_flush=bool(getattr(vllm_config, "use_v2_model_runner", False)),
@@ -403,6 +405,10 @@ class _SchedulerSide:
                     f"{ranks.region_index(pp_rank, tp_rank)}"
                 )
         log.info("kvsdk: %d worker(s) attached to %s", len(metadata), self.layout.slab_name)
+        attached = sum(isinstance(hs, KVSDKHandshake) for hs in metadata.values())
+        host = self.store.host
+        if attached == self.world_size and isinstance(host, CPUBackend):
+            host.seal()  # no process attaches any more: nothing can leak from here on
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

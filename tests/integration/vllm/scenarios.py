@@ -103,16 +103,18 @@ def reset(llm: Any, reset_connector: bool = False) -> None:
 
 def corrupt_host_tier() -> None:
     """Add noise to every byte kvsdk holds in host RAM (negative control): the
-    engine's shared-memory slab, written from this (the client) process."""
+    engine's shared-memory segment, written from this (the client) process."""
     import mmap
 
-    from kvsdk.slab import HEADER_BYTES, PREFIX, SHM_DIR
+    from engine_segments import open_segments
 
-    segments = list(SHM_DIR.glob(f"{PREFIX}{os.getuid()}-*"))
-    assert segments, "no kvsdk segment in /dev/shm"
+    from kvsdk.slab import HEADER_BYTES
+
+    segments = open_segments()
+    assert segments, "no kvsdk segment is open in any process"
     noise = random.Random(5).randbytes(1 << 20)
-    for path in segments:
-        with path.open("r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+    for fd_path in segments.values():
+        with open(fd_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
             # slots are handed out from the start: the first 64 MiB hold what was stored
             for at in range(HEADER_BYTES, min(len(mm), 64 << 20), len(noise)):
                 piece = noise[: min(len(noise), len(mm) - at)]
@@ -147,6 +149,8 @@ if os.environ.get("KVSDK_TEST_FAILING_LOADS") == "1":
 
 
 def main() -> None:
+    from engine_segments import named_segments, open_segments, segment_mode
+
     scenario, model, out_path = sys.argv[1:4]
     res: dict[str, Any] = {}
     if scenario in ("basic", "hybrid"):
@@ -155,6 +159,12 @@ def main() -> None:
         res["local"] = generate(llm, P)
         reset(llm)
         res["kvsdk"] = generate(llm, P)
+        segments = open_segments()  # while the engine runs
+        res["segments"] = {
+            "named": sorted(set(named_segments()) & set(segments)),
+            "open": sorted(segments),
+            "modes": sorted({segment_mode(p) for p in segments.values()}),
+        }
         # the whole prompt again, now stored in kvsdk and not in vLLM
         reset(llm)
         res["kvsdk_again"] = generate(llm, P)
@@ -284,6 +294,13 @@ def main() -> None:
         res["after"] = generate(llm, P)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
+    if "segments" in res:
+        del llm  # a clean exit of the engine
+        import gc
+
+        gc.collect()
+        time.sleep(1)
+        res["segments"]["after_exit"] = sorted(open_segments())
     with open(out_path, "w") as f:
         json.dump(res, f)
 

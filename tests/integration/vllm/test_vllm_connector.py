@@ -61,6 +61,11 @@ def test_kvsdk_hit_matches_vllms_own_prefix_hit_bitwise(model_dir: str, tmp_path
     assert r["q_kvsdk"]["cached"] == 96
     assert r["q_local"]["cached"] == 96
     assert same(r["q_kvsdk"], r["q_local"])
+    # the host tier's segment: no name left in /dev/shm once the workers
+    # attached (a kill cannot leak it), one mapping, private to the user
+    seg = r["segments"]
+    assert seg["named"] == [] and len(seg["open"]) == 1 and seg["modes"] == ["0o600"]
+    assert seg["after_exit"] == []
     # reset_prefix_cache(reset_connector=True) leaves no kvsdk tier serving old blocks
     assert r["after_full_reset"]["cached"] == 0
     assert same(r["after_full_reset"], r["cold"])
