@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -181,23 +182,18 @@ def make_tiny_hybrid(
         attn_logit_softcapping=None,
         dtype="float32",
     )
-    with torch.random.fork_rng(devices=[]):
-        model = Gemma2ForCausalLM(config)  # type: ignore[no-untyped-call]
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name in sorted(params):
-            p = params[name]
-            if "norm" in name:
-                p.zero_()  # Gemma's norms scale by (1 + weight)
-            else:
-                p.copy_(torch.empty(p.shape).normal_(0.0, 0.3, generator=gen))
+
+    def fill(name: str, p: torch.Tensor, gen: torch.Generator) -> None:
+        if "norm" in name:
+            p.zero_()  # Gemma's norms scale by (1 + weight)
+        else:
+            p.copy_(torch.empty(p.shape).normal_(0.0, 0.3, generator=gen))
+
+    def scale_embeddings(model: Any) -> None:
         emb = model.model.embed_tokens.weight
         emb.copy_(emb / emb.norm(dim=1, keepdim=True) * 0.02)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    (out / MARKER_FILE).write_text(json.dumps(spec))
-    return out
+
+    return _save_random(Gemma2ForCausalLM, config, out, spec, fill, scale_embeddings)
 
 
 def make_tiny_mla(path: str | os.PathLike[str], *, seed: int = 0) -> Path:
@@ -240,17 +236,37 @@ def make_tiny_mla(path: str | os.PathLike[str], *, seed: int = 0) -> Path:
         dtype="float32",
         architectures=["DeepseekV2ForCausalLM"],
     )
-    with torch.random.fork_rng(devices=[]):
-        model = DeepseekV2ForCausalLM(config)  # type: ignore[no-untyped-call]
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def fill(name: str, p: torch.Tensor, gen: torch.Generator) -> None:
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.copy_(torch.empty(p.shape).normal_(0.0, 0.1, generator=gen))
+
+    return _save_random(DeepseekV2ForCausalLM, config, out, spec, fill)
+
+
+def _save_random(
+    model_cls: Any,
+    config: Any,
+    out: Path,
+    spec: dict[str, Any],
+    fill: Callable[[str, Any, Any], None],
+    finish: Callable[[Any], None] | None = None,
+) -> Path:
+    """Build ``model_cls(config)``, fill every parameter (in name order) from
+    a generator seeded with ``spec["seed"]``, save it and its marker."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG alone
+        model = model_cls(config)
+    gen = torch.Generator(device="cpu").manual_seed(spec["seed"])
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name in sorted(params):
-            p = params[name]
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.copy_(torch.empty(p.shape).normal_(0.0, 0.1, generator=gen))
+            fill(name, params[name], gen)
+        if finish is not None:
+            finish(model)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     (out / MARKER_FILE).write_text(json.dumps(spec))
