@@ -1,7 +1,9 @@
 """Helpers for the tests that run ``tier_scenarios.py`` engines under vLLM's
 default executor: start an engine in a process group of its own, wait for its
-results, kill the whole group (``kill -9``: EngineCore and workers too), and
-prepare a slower tier for a restarted engine (remove or rewrite frames).
+results, kill the whole group (``kill -9``: EngineCore and workers too), check
+the engine's shared host segment (nameless while it runs, nothing left once it
+is gone), and prepare a slower tier for a restarted engine (remove or rewrite
+frames).
 
 Not a test module; ``test_vllm_tiers.py`` and ``test_vllm_parallel.py`` import it.
 """
@@ -12,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -22,6 +23,10 @@ from typing import Any
 import numpy as np
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+from engine_segments import segment_holders, segment_snapshot  # noqa: E402
+
 MODEL = "tiny-llama"
 """Every engine loads the model by this relative name from its own working
 directory, so the model's name is the same for all of them and only its
@@ -65,30 +70,25 @@ FORCE_KILLED = "force killing remaining process EngineCore"
 """vLLM's client log line when it SIGKILLs the EngineCore after its 5 s grace."""
 
 
-def check_clean_exit(run: dict[str, Any], exists_after_exit: bool) -> None:
-    """After a clean exit the engine's segment is gone, unless vLLM force-killed
-    the EngineCore before kvsdk's shutdown ran: a known kvsdk bug, asserted
-    deterministically by ``test_segment_is_unlinked_even_when_vllm_force_kills_the_engine_core``
-    (whether an engine here hits it depends on how fast its workers exit)."""
-    if exists_after_exit:
-        assert FORCE_KILLED in run["log"], (
-            f"{run['segment']} outlived a clean exit that vLLM did not force-kill"
-        )
+def check_running_segment(run: dict[str, Any], workers: int, snap: dict[str, Any]) -> None:
+    """A running engine's host segment (``snap``: ``engine_segments.segment_snapshot``):
+    once its ``workers`` attached (the log says so) it has no name in /dev/shm;
+    it is the only kvsdk segment open among the engine's processes, private
+    to the user, and held by the EngineCore and each worker, by nothing else."""
+    name = run["segment"]
+    assert f"kvsdk: {workers} worker(s) attached to {name}" in run["log"]
+    assert snap["named"] == [], f"{snap['named']} still in /dev/shm while the engine runs"
+    assert snap["open"] == [name], snap
+    assert snap["modes"] == ["0o600"], snap
+    assert snap["holders"] == workers + 1 and snap["outside"] == 0, snap
 
 
-def check_clean_exit_unlinked(run: dict[str, Any], exists_after_exit: bool) -> None:
-    """After a clean exit (the client returned normally) the engine's segment is gone."""
-    force_killed = FORCE_KILLED in run["log"]
-    assert not exists_after_exit, (
-        f"kvsdk left its shared segment /dev/shm/{run['segment']} behind after a clean exit "
-        + (
-            "(vLLM force-killed the EngineCore 5 s after SIGTERM because its workers had not "
-            "exited yet; kvsdk's scheduler side, which unlinks the segment in "
-            "KVSDKConnector.shutdown, only shuts down after vLLM's executor, so it never ran)"
-            if force_killed
-            else "(the EngineCore exited by itself)"
-        )
-    )
+def check_nothing_left(run: dict[str, Any], after: dict[str, Any]) -> None:
+    """Once an engine is gone (``after``: ``Engine.after_exit()``), however it
+    ended: its segment has no name in /dev/shm and no process holds it."""
+    assert after["group"] == {}, f"engine processes left: {after['group']}"
+    assert after["named"] is False, f"/dev/shm/{run['segment']} outlived the engine"
+    assert after["holders"] == {}, f"{run['segment']} still held: {after['holders']}"
 
 
 def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -157,6 +157,28 @@ class Engine:
     def group(self) -> dict[int, str]:
         """The processes of this run's group: pid -> command line."""
         return group_processes(self.proc.pid)
+
+    def running_segment(self) -> dict[str, Any]:
+        """This (held, running) engine's segment as seen from the test process."""
+        from kvsdk.slab import segment_name
+
+        return segment_snapshot(segment_name(self.spec["engine_id"]), self.proc.pid)
+
+    def after_exit(self, timeout: float = 30) -> dict[str, Any]:
+        """Once the run's client exited (or was killed): its group's processes
+        left after at most ``timeout`` s, then whether its segment still has a
+        name in /dev/shm and which processes still hold it."""
+        from kvsdk.slab import segment_name
+
+        deadline = time.monotonic() + timeout
+        while self.group() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        name = segment_name(self.spec["engine_id"])
+        return {
+            "group": self.group(),
+            "named": segment_path(name).exists(),
+            "holders": segment_holders(name),
+        }
 
     def cleanup(self) -> None:
         """At the end of a module: no process of this run left, nor its segment
@@ -248,13 +270,6 @@ def segment_path(name: str) -> Path:
     from kvsdk.slab import SHM_DIR
 
     return SHM_DIR / name
-
-
-def segment_mode(name: str) -> str | None:
-    try:
-        return oct(stat.S_IMODE(segment_path(name).stat().st_mode))
-    except FileNotFoundError:
-        return None
 
 
 # -- slower tiers: what a writer left behind, and how a test changes it -------------------

