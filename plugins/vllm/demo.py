@@ -9,10 +9,19 @@ previous ones) three times:
 - **warm**: the requests in order with kvsdk on; vLLM's own prefix cache is
   reset before each request, so every reused token comes from kvsdk (as
   when vLLM's KV memory is too small to keep earlier requests);
-- **reference**: the same requests in order with vLLM's *own* prefix cache
-  and kvsdk emptied before each: vLLM reuses the same earlier KV that kvsdk
-  stored, at the same split (kvsdk's chunk is one vLLM block here), so the
-  greedy tokens and logprobs must equal the warm run's bit for bit.
+- **reference**: the same requests in order, both caches emptied once
+  before the first: each request reuses the earlier ones' KV from vLLM's
+  *own* prefix cache (kvsdk, holding the same chunks, has nothing to add:
+  the tokens it served here are counted and shown), at the same split as
+  the warm run (kvsdk's chunk is one vLLM block here), so the greedy tokens
+  and logprobs must equal the warm run's bit for bit.
+
+vLLM runs with its default executor (the scheduler in an EngineCore
+process, the model in a worker process): kvsdk's counters (tokens served,
+bytes loaded and stored) reach this process through vLLM's stats path, as
+``vllm:kvsdk_*`` Prometheus metrics. A cache reset is retried until vLLM
+accepts it: kvsdk keeps a finished request's blocks until its stores land,
+which the EngineCore finishes on its own after ``generate`` returns.
 
 It prints a table (TTFT cold vs warm, tokens served from kvsdk, bytes moved,
 whether the outputs matched) and writes JSON plus a PNG plot.
@@ -28,7 +37,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
@@ -71,7 +79,7 @@ def run_demo(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvsdk.plugins.vllm import connector as kvsdk_connector
+    from kvsdk.plugins.vllm.stats_probe import kvsdk_counters, reset_caches, shutdown, sync_stats
     from kvsdk.plugins.vllm.tiny_model import make_tiny_llama
 
     model = make_tiny_llama(
@@ -101,7 +109,6 @@ def run_demo(
         kv_transfer_config=ktc,
         disable_log_stats=False,
     )
-    conn = kvsdk_connector.ACTIVE_SCHEDULER_SIDES[-1]
     steps = _workload(seed, doc_tokens, questions, turns)
     sp = SamplingParams(temperature=0.0, logprobs=1, ignore_eos=True)
 
@@ -124,32 +131,41 @@ def run_demo(
             "wall": wall,
         }
 
-    run(Step("warmup", steps[0].prompt[:64], 2))  # first-call costs out of the measurement
-    bar = tqdm(total=3 * len(steps), desc="kvsdk demo", unit="req", disable=not progress)
-    cold = []
-    for step in steps:
-        llm.reset_prefix_cache(reset_connector=True)
-        cold.append(run(step))
-        bar.update()
-    llm.reset_prefix_cache(reset_connector=True)
-    before = conn.store.metrics.snapshot()["counters"]
-    warm = []
-    for step in steps:
-        llm.reset_prefix_cache()  # vLLM forgets; kvsdk keeps
-        warm.append(run(step))
-        bar.update()
-    conn.store.flush_metrics()
-    after = conn.store.metrics.snapshot()["counters"]
-    reference = []
-    llm.reset_prefix_cache(reset_connector=True)
-    for step in steps:  # the same order with vLLM's own prefix cache and kvsdk emptied
-        conn.reset()
-        reference.append(run(step))
-        bar.update()
-    bar.close()
+    def measure() -> tuple[list[Any], ...]:
+        run(Step("warmup", steps[0].prompt[:64], 2))  # first-call costs out of the measurement
+        bar = tqdm(total=3 * len(steps), desc="kvsdk demo", unit="req", disable=not progress)
+        cold = []
+        for step in steps:
+            reset_caches(llm, connector=True)
+            cold.append(run(step))
+            bar.update()
+        reset_caches(llm, connector=True)
+        sync_stats(llm, probed=False)  # every earlier step's counters recorded here
+        counters = [kvsdk_counters()]
+        warm = []
+        for step in steps:
+            reset_caches(llm)  # vLLM forgets; kvsdk keeps
+            warm.append(run(step))
+            bar.update()
+        sync_stats(llm, probed=False)
+        counters.append(kvsdk_counters())
+        reset_caches(llm, connector=True)
+        reference = []
+        for step in steps:  # the same order, reusing earlier requests through vLLM's own cache
+            reference.append(run(step))
+            bar.update()
+        sync_stats(llm, probed=False)
+        counters.append(kvsdk_counters())
+        bar.close()
+        return cold, warm, reference, counters
 
-    def delta(name: str) -> float:
-        return float(sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(name)))
+    try:
+        cold, warm, reference, (before, after, end) = measure()
+    finally:
+        shutdown(llm)
+
+    def delta(name: str, a: dict[str, float] = before, b: dict[str, float] = after) -> float:
+        return b.get(name, 0.0) - a.get(name, 0.0)
 
     rows = []
     for step, c, w, ref in zip(steps, cold, warm, reference, strict=True):
@@ -171,10 +187,12 @@ def run_demo(
         "rows": rows,
         "total_ttft_cold_s": sum(c["ttft"] for c in cold),
         "total_ttft_warm_s": sum(w["ttft"] for w in warm),
-        "tokens_from_kvsdk": sum(r["kvsdk_tokens"] for r in rows),
+        "tokens_from_kvsdk": delta("kvsdk_hit_tokens_total"),  # kvsdk's counter
+        "cached_tokens_warm": sum(r["kvsdk_tokens"] for r in rows),  # vLLM's per-request count
         "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
         "bytes_loaded": delta("kvsdk_loaded_bytes_total"),
         "bytes_stored": delta("kvsdk_stored_bytes_total"),
+        "reference_tokens_from_kvsdk": delta("kvsdk_hit_tokens_total", after, end),
         "outputs_matched": sum(r["outputs_match"] for r in rows),
         "tokens_matched_cold": sum(r["tokens_match_cold"] for r in rows),
         "requests": len(rows),
@@ -202,11 +220,12 @@ def format_report(r: dict[str, Any]) -> str:
         f"total TTFT {1e3 * r['total_ttft_cold_s']:.0f} ms cold -> "
         f"{1e3 * r['total_ttft_warm_s']:.0f} ms warm "
         f"({r['total_ttft_cold_s'] / max(r['total_ttft_warm_s'], 1e-9):.2f}x); "
-        f"{r['tokens_from_kvsdk']}/{r['prompt_tokens']} prompt tokens served from kvsdk; "
+        f"{r['tokens_from_kvsdk']:.0f}/{r['prompt_tokens']} prompt tokens served from kvsdk; "
         f"{r['bytes_loaded'] / 2**20:.1f} MiB loaded, {r['bytes_stored'] / 2**20:.1f} MiB stored; "
         f"outputs matched {r['outputs_matched']}/{r['requests']} (greedy tokens and logprobs, "
-        f"bitwise, vs vLLM's own prefix hit of the same length); greedy tokens equal to the "
-        f"cold run: {r['tokens_matched_cold']}/{r['requests']}"
+        f"bitwise, vs vLLM's own prefix hit of the same length; kvsdk served "
+        f"{r['reference_tokens_from_kvsdk']:.0f} tokens in that reference run); greedy tokens "
+        f"equal to the cold run: {r['tokens_matched_cold']}/{r['requests']}"
     )
     return "\n".join(lines)
 

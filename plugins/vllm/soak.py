@@ -7,6 +7,14 @@ ledger is empty, no host slot is pinned or leaked, the host tier stayed within
 its capacity, and every finished request's greedy tokens equal a reference
 run of the same prompts without kvsdk (a separate engine, in a subprocess).
 
+vLLM runs with its default executor: kvsdk's scheduler side lives in the
+EngineCore process. Its counters (tokens served, backend errors, failed jobs)
+and vLLM's preemption count reach this process through vLLM's stats path
+(Prometheus); the end state the leak checks read (tracked requests, ledger
+jobs and fences, pinned host entries, host slots, faults injected) is read
+in the EngineCore, between steps, by ``kvsdk.plugins.vllm.stats_probe``
+(named as the connector's module path: the same ``KVSDKConnector``).
+
     python -m kvsdk.plugins.vllm.soak --requests 1000 --out out/soak.json
 """
 
@@ -23,7 +31,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -55,9 +62,13 @@ def make_llm(model: str, kvsdk_config: dict[str, Any] | None) -> Any:
         kw["kv_transfer_config"] = {
             "kv_connector": "KVSDKConnector",
             "kv_role": "kv_both",
+            "kv_connector_module_path": "kvsdk.plugins.vllm.stats_probe",  # + the probe
             "kv_connector_extra_config": {"config": kvsdk_config},
         }
-        kw["num_gpu_blocks_override"] = 48  # 1536 tokens of KV for 12 sequences: preemptions
+        # 1152 tokens of KV for 12 sequences: preemptions (how many varies from run to run:
+        # the EngineCore steps on its own, and loads land when they land)
+        kw["num_gpu_blocks_override"] = 36
+        kw["disable_log_stats"] = False  # kvsdk's counters through vLLM's stats path
     return LLM(
         model=model,
         skip_tokenizer_init=True,
@@ -81,7 +92,7 @@ def drive(
     outputs: dict[str, list[int]] = {}
     wave = 24
     for w in range(0, len(reqs), wave):
-        if resets and w and w % (10 * wave) == 0:
+        if resets and w and w % (4 * wave) == 0:  # every 96 requests
             llm.reset_prefix_cache(reset_connector=True)
         batch = reqs[w : w + wave]
         steps_seen: dict[str, int] = {}
@@ -114,7 +125,7 @@ def drive(
 
 
 def run_soak(model: str, n: int, seed: int, workdir: Path, progress: Any = None) -> dict[str, Any]:
-    from kvsdk.plugins.vllm.connector import ACTIVE_SCHEDULER_SIDES
+    from kvsdk.plugins.vllm import stats_probe
 
     config = {
         "chunk_tokens": 32,
@@ -135,37 +146,43 @@ def run_soak(model: str, n: int, seed: int, workdir: Path, progress: Any = None)
         ],
     }
     llm = make_llm(model, config)
-    side = ACTIVE_SCHEDULER_SIDES[-1]
     reqs = workload(n, seed)
-    t0 = time.perf_counter()
-    outputs = drive(llm, reqs, aborts=True, resets=True, progress=progress)
-    for _ in range(200):  # let the last stores land
-        if not side.core.has_pending_work():
-            break
-        llm.llm_engine.step()
-        time.sleep(0.005)
-    elapsed = time.perf_counter() - t0
-    side.store.flush_metrics()
-    host = side.store.host
-    metrics = side.store.metrics
-    faulty = side.store.tiers[1]
+    try:
+        t0 = time.perf_counter()
+        outputs = drive(llm, reqs, aborts=True, resets=True, progress=progress)
+        drained = True
+        try:  # the EngineCore lands the last stores on its own
+            stats_probe.drain(llm, timeout=120)
+        except RuntimeError:
+            drained = False  # reported as a leak below
+        elapsed = time.perf_counter() - t0
+        state = stats_probe.probe(llm, "state")["kvsdk"]  # the end state, read in the EngineCore
+        if drained:
+            stats_probe.sync_stats(llm)  # every step's counters recorded in this process
+        counters = stats_probe.kvsdk_counters()
+        preemptions = int(stats_probe.vllm_counter("vllm:num_preemptions_total"))
+    finally:
+        stats_probe.shutdown(llm)
     return {
         "outputs": outputs,
         "elapsed_s": elapsed,
-        "faults": dict(getattr(faulty, "injected", {})),
-        "ledger_jobs": side.core.ledger.num_jobs,
-        "ledger_fences": side.core.ledger.num_fenced_blocks,
-        "tracked_requests": side.core.num_tracked_requests(),
-        "pinned_host_entries": int(host.stats()["pinned_entries"]),
-        "host_slots_used": host.num_used,
-        "host_slots": host.num_slots,
+        "drained": drained,
+        "faults": state["faults"],
+        "pending_work": int(state["pending_work"]),
+        "ledger_jobs": state["ledger_jobs"],
+        "ledger_fences": state["ledger_fences"],
+        "tracked_requests": state["tracked_requests"],
+        "pinned_host_entries": state["pinned_host_entries"],
+        "host_slots_used": state["host_slots_used"],
+        "host_slots": state["host_slots"],
         "host_capacity_bytes": HOST_CAPACITY,
-        "host_bytes_used": host.num_used * int(host.slab.shape[1]),
-        "hit_tokens": metrics.counter("kvsdk_hit_tokens_total"),
-        "backend_errors": metrics.counter("kvsdk_backend_errors_total"),
-        "failed_jobs": metrics.counter("kvsdk_failed_jobs_total"),
+        "host_bytes_used": state["host_slots_used"] * state["host_slot_bytes"],
+        "hit_tokens": counters.get("kvsdk_hit_tokens_total", 0.0),
+        "backend_errors": counters.get("kvsdk_backend_errors_total", 0.0),
+        "failed_jobs": counters.get("kvsdk_failed_jobs_total", 0.0),
         "aborted": sum(1 for r in reqs if r["abort_after_steps"] is not None),
-        "preemptions": side.preemptions,
+        "preemptions": preemptions,
+        "preemptions_seen_by_kvsdk": state["preemptions"],
     }
 
 
@@ -182,9 +199,15 @@ def main() -> None:
 
     model = str(make_tiny_llama(args.model_dir, seed=0))
     if args.reference:
+        from kvsdk.plugins.vllm.stats_probe import shutdown
+
         llm = make_llm(model, None)
         reqs = [dict(r, abort_after_steps=None) for r in workload(args.requests, args.seed)]
-        Path(args.reference).write_text(json.dumps(drive(llm, reqs, aborts=False, resets=False)))
+        try:
+            outputs = drive(llm, reqs, aborts=False, resets=False)
+        finally:
+            shutdown(llm)
+        Path(args.reference).write_text(json.dumps(outputs))
         return
     print(
         format_report(
@@ -238,7 +261,8 @@ def run_bench(model: str, n: int, seed: int, out: Path, *, progress: bool = True
             "leaks": result["ledger_jobs"]
             + result["ledger_fences"]
             + result["tracked_requests"]
-            + result["pinned_host_entries"],
+            + result["pinned_host_entries"]
+            + result["pending_work"],
         }
     )
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -252,13 +276,13 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"  {kind:<18} {count}")
     lines += [
         f"requests                {r['requests']} ({r['aborted']} aborted on purpose, "
-        f"{r['preemptions']} preemptions)",
+        f"{r['preemptions']} preemptions; kvsdk saw {r['preemptions_seen_by_kvsdk']})",
         f"requests served         {r['served']}",
         f"outputs compared        {r['compared']} (greedy tokens vs a run without kvsdk)",
         f"mismatches              {r['mismatches']}",
         f"leaks                   {r['leaks']} (ledger jobs {r['ledger_jobs']}, fences "
         f"{r['ledger_fences']}, requests {r['tracked_requests']}, pinned host entries "
-        f"{r['pinned_host_entries']})",
+        f"{r['pinned_host_entries']}, work still pending {r['pending_work']})",
         f"host tier               {r['host_bytes_used'] / 2**20:.1f} / "
         f"{r['host_capacity_bytes'] / 2**20:.1f} MiB used",
         f"tokens from kvsdk       {int(r['hit_tokens'])}",

@@ -1,8 +1,11 @@
 """Smoke run of ``benchmarks/bench_vllm_connector.py`` at tiny sizes: it runs the
 three engine configurations (no connector, kvsdk, native OffloadingConnector
-with the out-of-tree CPU spec) end to end and writes its JSON with every
-figure, plus the plot. The figures themselves are noise at these sizes; only
-that the warm runs really came from each connector is checked."""
+with the out-of-tree CPU spec) and the TP=2 kvsdk engine end to end, each with
+vLLM's default executor (EngineCore and model workers in their own processes),
+and writes its JSON with every figure, plus the plot. The figures themselves
+are noise at these sizes; only that the warm runs really came from each
+connector, and that the scheduler-side hooks were timed in the EngineCore, is
+checked."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ TINY = [
     "--trace-requests", "8", "--trace-prefixes", "2", "--trace-prefix-tokens", "64,128",
     "--trace-max-tokens", "2",
     "--tp-requests", "4", "--tp-prompt-tokens", "64,128", "--tp-max-tokens", "4", "--tp-rounds", "1",
+    "--tp2-len", "96",
     "--tier-gib", "0.25", "--kv-space-gib", "1", "--threads", "1", "--no-progress",
 ]  # fmt: skip
 
@@ -54,13 +58,14 @@ GOALS = {
 def test_bench_vllm_connector_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--model-dir", str(tmp_path / "m")]
-    proc = subprocess.run(cmd + TINY, capture_output=True, text=True, timeout=170)
+    proc = subprocess.run(cmd + TINY, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "kvsdk/native" in proc.stdout  # the table
     assert out.with_suffix(".png").stat().st_size > 0
 
     r = json.loads(out.read_text())
-    assert {"settings", "ttft", "sched", "throughput", "goals", "raw", "command"} <= set(r)
+    assert {"settings", "ttft", "sched", "throughput", "tp2", "goals", "raw", "command"} <= set(r)
+    assert set(r["settings"]["engine_client"].values()) == {"SyncMPClient"}  # default executor
     assert set(r["ttft"]) == {"96", "160"}
     for length, row in r["ttft"].items():
         assert set(row) >= TTFT_FIELDS, length
@@ -83,4 +88,11 @@ def test_bench_vllm_connector_smoke(tmp_path: Path) -> None:
     assert r["throughput"]["kvsdk_over_none"] > 0
     assert set(r["goals"]) == GOALS
     assert all(isinstance(g["met"], bool) for g in r["goals"].values())
-    assert set(r["settings"]["torch_threads"].values()) == {1}
+    threads = r["settings"]["torch_threads"]  # per model worker, through the probe
+    assert threads["kvsdk"] == threads["native"] == [1] and threads["kvsdk-tp2"] == [1, 1]
+    t2 = r["tp2"]
+    assert t2["tensor_parallel_size"] == 2 and t2["prompt_len"] == 96
+    assert all(t2[k] > 0 for k in ("cold_ms", "local_hit_ms", "kvsdk_warm_ms"))
+    assert t2["cached_tokens"]["kvsdk_warm"] >= 96 - 32, t2  # both ranks loaded from kvsdk
+    assert t2["cached_tokens"]["local_hit"] >= 96 - 32, t2
+    assert t2["same_token"]

@@ -1,5 +1,7 @@
 """Soak through the real vLLM engine: shared prefixes, aborts, preemptions, resets and
-a faulty lower tier; nothing leaks and every output equals a run without kvsdk."""
+a faulty lower tier; nothing leaks and every output equals a run without kvsdk.
+vLLM runs with its default executor: the leak figures are read in its EngineCore
+process, the counters come through vLLM's stats path."""
 
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def test_soak_with_faults_has_no_mismatch_and_no_leak(tmp_path: Path) -> None:
     r = json.loads(out.read_text())
     assert r["compared"] >= 150
     assert r["mismatches"] == 0, r["mismatched_ids"]
-    assert r["leaks"] == 0
+    assert r["drained"] and r["leaks"] == 0
     assert r["host_bytes_used"] <= r["host_capacity_bytes"]
     assert r["hit_tokens"] > 0
     assert r["preemptions"] > 0
