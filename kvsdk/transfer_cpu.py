@@ -175,17 +175,26 @@ class _GroupPlan:
         return n
 
 
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 class CPUTransferWorker(TransferWorker):
     name = "cpu"
 
     def __init__(self, *, sync_loads: bool = True, sync_stores: bool | None = None) -> None:
         """``sync_stores=None``: stores run on the caller's thread when torch's
-        thread team already spans every CPU (a copy thread would only take
-        cores from the engine: measured with 2 engine threads on 2 CPUs, the
-        engine then sat idle a sixth of the time), else on the copy thread."""
+        thread team already spans every CPU this process may run on (a copy
+        thread would only take cores from the engine: measured with 2 engine
+        threads on 2 CPUs, the engine then sat idle a sixth of the time; a
+        TP worker bound to one CPU is the same case), else on the copy thread."""
         self.sync_loads = sync_loads
         if sync_stores is None:
-            sync_stores = torch.get_num_threads() >= (os.cpu_count() or 1)
+            sync_stores = torch.get_num_threads() >= _usable_cpus()
         self.sync_stores = sync_stores
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsdk-xfer")
         self._futures: dict[int, Future[TransferResult]] = {}

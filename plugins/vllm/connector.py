@@ -57,9 +57,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.kvsdk")  # shown by vLLM's own log handler
 
-ACTIVE_SCHEDULER_SIDES: list[_SchedulerSide] = []
-"""Live scheduler sides in this process (for ``kvsdk demo`` and ``kvsdk inspect``)."""
-
 
 @dataclass
 class KVSDKConnectorMetadata(KVConnectorMetadata):
@@ -373,7 +370,6 @@ class _SchedulerSide:
         """Finished requests whose blocks vLLM keeps until their stores land."""
         self._releasing: set[str] = set()
         """Held requests handed to the workers to release, not yet freed by vLLM."""
-        ACTIVE_SCHEDULER_SIDES.append(self)
         log.info(
             "kvsdk: KV groups %s, chunk %d tokens / %d B (%d rank region(s)), host tier %s "
             "slots in shared memory %s",
@@ -576,8 +572,6 @@ class _SchedulerSide:
         self.core.reset()
 
     def shutdown(self) -> None:
-        if self in ACTIVE_SCHEDULER_SIDES:
-            ACTIVE_SCHEDULER_SIDES.remove(self)
         self.store.shutdown()
 
 

@@ -138,7 +138,7 @@ def test_stores_run_inline_when_torch_threads_span_every_cpu(
 ) -> None:
     import kvsdk.transfer_cpu
 
-    monkeypatch.setattr(kvsdk.transfer_cpu.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(kvsdk.transfer_cpu.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     monkeypatch.setattr(kvsdk.transfer_cpu.torch, "get_num_threads", lambda: 4)
     inline = CPUTransferWorker()
     monkeypatch.setattr(kvsdk.transfer_cpu.torch, "get_num_threads", lambda: 2)
@@ -152,3 +152,18 @@ def test_stores_run_inline_when_torch_threads_span_every_cpu(
     assert res.ok and torch.equal(slab[1], t[2])
     inline.shutdown()
     threaded.shutdown()
+
+
+def test_a_worker_bound_to_one_cpu_stores_inline_whatever_the_machine_has(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A TP worker bound to its own CPU (VLLM_CPU_OMP_THREADS_BIND='0|1'): a
+    copy thread would only take that CPU from the engine."""
+    import kvsdk.transfer_cpu
+
+    monkeypatch.setattr(kvsdk.transfer_cpu.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(kvsdk.transfer_cpu.os, "sched_getaffinity", lambda pid: {1})
+    monkeypatch.setattr(kvsdk.transfer_cpu.torch, "get_num_threads", lambda: 1)
+    w = CPUTransferWorker()
+    assert w.sync_stores
+    w.shutdown()
