@@ -28,7 +28,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -295,6 +295,18 @@ class TieredStore:
 
     def has_pending_work(self) -> bool:
         return bool(self._io or self._to_query)
+
+    def wait_io(self, timeout: float) -> bool:
+        """Block until some tier I/O in flight finishes, at most ``timeout`` s.
+        For an engine whose only work is that I/O (a request waiting on a
+        promotion, writes draining): it sleeps on the I/O instead of spinning
+        through empty steps that take the CPU the I/O threads need. False if
+        nothing was in flight."""
+        pending = [io.future for io in self._io if not io.future.done()]
+        if not pending:
+            return False
+        wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+        return True
 
     def _submit(
         self, kind: str, keys: list[ChunkKey], fn: Callable[..., Any], *args: Any, **extra: Any

@@ -57,6 +57,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.kvsdk")  # shown by vLLM's own log handler
 
+IDLE_IO_WAIT_SECONDS = 0.002
+"""Longest a step with nothing scheduled waits for kvsdk's tier I/O (a request
+arriving meanwhile is scheduled at most this much later)."""
+
 
 @dataclass
 class KVSDKConnectorMetadata(KVConnectorMetadata):
@@ -467,6 +471,10 @@ class _SchedulerSide:
             finished=finished,
             reallocated_block_ids=copies,
         )
+        if not so.num_scheduled_tokens and self.store.has_pending_work():
+            # nothing to compute but tier I/O (lookups waiting on a promotion,
+            # writes draining): sleep on it briefly rather than spin empty steps
+            self.store.wait_io(IDLE_IO_WAIT_SECONDS)
         job_request = self.core.job_request
         loads = {j.job_id: (job_request(j.job_id), j) for j in jobs.loads}
         release: frozenset[str] = frozenset()

@@ -445,3 +445,24 @@ def test_reset_during_a_query_ignores_its_late_answer(stores: list[TieredStore])
     pump(store)
     assert store.host.num_used == 0  # the stale answer promoted nothing
     assert not lower.entered["get"].is_set()
+
+
+def test_wait_io_returns_when_the_io_finishes_or_the_timeout_passes(
+    stores: list[TieredStore],
+) -> None:
+    lower = DictBackend()
+    lower.data[k(5)] = payload(5)
+    store = new_store(stores, lower)
+    assert store.wait_io(1.0) is False  # nothing in flight: no wait
+    lower.gates["exists"].clear()
+    assert store.lookup(k(5)) is LookupResult.RETRY
+    store.step()  # the query is submitted
+    start = time.perf_counter()
+    assert store.wait_io(0.05) is True
+    assert 0.04 < time.perf_counter() - start < 1.0  # held at the gate: the timeout
+    threading.Timer(0.05, lower.gates["exists"].set).start()
+    start = time.perf_counter()
+    store.wait_io(5.0)
+    assert time.perf_counter() - start < 2.0  # back once the query finished
+    pump(store)
+    assert store.lookup(k(5)) is LookupResult.HIT
