@@ -202,6 +202,11 @@ class HostTier(Backend):
     @abstractmethod
     def num_slots(self) -> int: ...
 
+    def seal(self) -> None:
+        """Every process that will move this tier's bytes has attached to them
+        (a tier shared across an engine's processes drops its name now)."""
+        return None
+
     @property
     @abstractmethod
     def num_used(self) -> int: ...

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,7 +36,6 @@ from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 from vllm.v1.request import RequestStatus
 
 from kvsdk import plugins_manager
-from kvsdk.backends.cpu import CPUBackend
 from kvsdk.config import ConfigError
 from kvsdk.events import EventKind, KVEvent
 from kvsdk.metrics import COUNTERS
@@ -89,7 +89,7 @@ class KVSDKHandshake(KVConnectorHandshakeMetadata):
 def machine_id() -> str:
     """This machine's boot id (processes on one machine share it)."""
     try:
-        return open("/proc/sys/kernel/random/boot_id").read().strip()
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         import socket
 
@@ -406,9 +406,8 @@ class _SchedulerSide:
                 )
         log.info("kvsdk: %d worker(s) attached to %s", len(metadata), self.layout.slab_name)
         attached = sum(isinstance(hs, KVSDKHandshake) for hs in metadata.values())
-        host = self.store.host
-        if attached == self.world_size and isinstance(host, CPUBackend):
-            host.seal()  # no process attaches any more: nothing can leak from here on
+        if attached == self.world_size:
+            self.store.host.seal()  # no process attaches any more: nothing can leak now
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
