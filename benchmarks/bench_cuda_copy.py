@@ -72,7 +72,7 @@ def timed(fn: Callable[[], None], repeats: int) -> float:
 
 def measure_size(size: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     from kvsdk.transfer import BlockCopies, Direction, GroupLayers, TransferJob
-    from kvsdk.transfer_cuda import CUDATransferWorker
+    from kvsdk.transfer.cuda import CUDATransferWorker
 
     total = args.total_mib << 20
     chunk = LAYERS * BLOCKS_PER_CHUNK * size
@@ -202,7 +202,7 @@ def main() -> int:
         f"layout {args.layout}, {LAYERS} layers, {BLOCKS_PER_CHUNK} blocks per chunk, "
         f"{args.total_mib} MiB per direction per pass, best of {args.repeats}"
     )
-    from kvsdk.transfer_cuda import time_copy_paths
+    from kvsdk.transfer.cuda import time_copy_paths
 
     paths = time_copy_paths(device)
     print("\nstore path timing (32 MiB of scattered runs, device → pinned host):")

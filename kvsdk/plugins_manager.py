@@ -21,8 +21,8 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "kvsdk.backends.cpu",
     "kvsdk.backends.disk",
     "kvsdk.backends.faulty",
-    "kvsdk.transfer_cpu",
-    "kvsdk.transfer_cuda",
+    "kvsdk.transfer.cpu",
+    "kvsdk.transfer.cuda",
 )
 """kvsdk's own plugins; registered exactly like third-party ones."""
 

@@ -43,7 +43,7 @@ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.gen.m
     --format=csv 2>/dev/null || echo "(nvidia-smi not available)"
 
 step "import from the source tree" 60 $PY -c \
-    "import kvsdk, kvsdk.kv_layout, kvsdk.transfer_cuda as t; print('kvsdk', kvsdk.__version__, 'from', kvsdk.__file__); print('worker:', t.CUDATransferWorker.name)"
+    "import kvsdk, kvsdk.transfer.layout, kvsdk.transfer.cuda as t; print('kvsdk', kvsdk.__version__, 'from', kvsdk.__file__); print('worker:', t.CUDATransferWorker.name)"
 step "CPU tests of the worker's parts" 120 $PY -m pytest -q -p no:cacheprovider \
     tests/unit/test_kv_layout.py tests/unit/test_transfer_cuda_cpu_parts.py
 step "CUDA tests" 240 $PY -m pytest -q -p no:cacheprovider -rs -s -m cuda tests/gpu \

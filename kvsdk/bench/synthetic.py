@@ -26,7 +26,7 @@ from kvsdk.keys import GroupLayout, Namespace, token_chunk_hashes
 from kvsdk.scheduler import OffloadScheduler, WorkerResult
 from kvsdk.store.factory import build_store
 from kvsdk.transfer import GroupLayers
-from kvsdk.transfer_cpu import CPUTransferWorker
+from kvsdk.transfer.cpu import CPUTransferWorker
 from kvsdk.types import GroupKind, KVGroupSpec, cdiv
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvsdk.transfer import BlockCopies, Direction, GroupLayers, TransferJob, TransferResult
-from kvsdk.transfer_cuda import CudaRuntime, CUDATransferWorker
+from kvsdk.transfer.cuda import CudaRuntime, CUDATransferWorker
 
 pytestmark = [
     pytest.mark.cuda,

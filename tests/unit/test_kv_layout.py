@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvsdk import kv_layout as kvl
-from kvsdk.kv_layout import TensorGeometry, block_regions, kv_layout
+from kvsdk.transfer import layout as kvl
+from kvsdk.transfer.layout import TensorGeometry, block_regions, kv_layout
 
 NB, N, H, D = 10, 4, 2, 8  # blocks, tokens per block, KV heads, head size
 ITEM = 2  # float16

@@ -285,7 +285,7 @@ def test_list_plugins_shows_built_ins_with_their_hooks() -> None:
     plugins = {p.name: p for p in plugins_manager.list_plugins()}
     assert plugins["kvsdk.backends.cpu"].hooks == ("kvsdk_backends",)
     assert plugins["kvsdk.eviction"].hooks == ("kvsdk_eviction_policies",)
-    assert plugins["kvsdk.transfer_cpu"].hooks == ("kvsdk_transfer_workers",)
+    assert plugins["kvsdk.transfer.cpu"].hooks == ("kvsdk_transfer_workers",)
     for name in plugins_manager.DEFAULT_PLUGINS:
         assert plugins[name].source == "builtin"
 

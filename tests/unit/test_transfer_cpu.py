@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvsdk.transfer import BlockCopies, Direction, GroupLayers, TransferJob
-from kvsdk.transfer_cpu import CPUTransferWorker
+from kvsdk.transfer.cpu import CPUTransferWorker
 
 
 def roundtrip(
@@ -87,14 +87,14 @@ def test_a_failing_copy_is_reported_not_raised() -> None:
 def test_jobs_larger_than_the_gather_buffer_go_through_it_in_pieces(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import kvsdk.transfer_cpu
+    import kvsdk.transfer.cpu
 
-    monkeypatch.setattr(kvsdk.transfer_cpu, "STAGE_BYTES", 1)  # one row per piece
+    monkeypatch.setattr(kvsdk.transfer.cpu, "STAGE_BYTES", 1)  # one row per piece
     roundtrip((2, 4, 8), 3, 2, 0, shared=True)
 
 
 def test_row_runs_cover_every_pair_once_with_constant_steps() -> None:
-    from kvsdk.transfer_cpu import row_runs
+    from kvsdk.transfer.cpu import row_runs
 
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -114,9 +114,9 @@ def test_direct_and_gathered_copies_move_the_same_bytes(
     monkeypatch: pytest.MonkeyPatch, direct_bytes: int
 ) -> None:
     """Both copy paths (straight row runs, and gather + scatter) on every layout."""
-    import kvsdk.transfer_cpu
+    import kvsdk.transfer.cpu
 
-    monkeypatch.setattr(kvsdk.transfer_cpu, "DIRECT_COPY_BYTES", direct_bytes)
+    monkeypatch.setattr(kvsdk.transfer.cpu, "DIRECT_COPY_BYTES", direct_bytes)
     for shared in (False, True):
         roundtrip((2, 4, 8), 3, 2, 0, shared)
         roundtrip((2, 4, 8), 2, 1, 0, shared)
@@ -136,12 +136,12 @@ def test_copies_of_unequal_lengths_fail_the_job() -> None:
 def test_stores_run_inline_when_torch_threads_span_every_cpu(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import kvsdk.transfer_cpu
+    import kvsdk.transfer.cpu
 
-    monkeypatch.setattr(kvsdk.transfer_cpu.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    monkeypatch.setattr(kvsdk.transfer_cpu.torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(kvsdk.transfer.cpu.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(kvsdk.transfer.cpu.torch, "get_num_threads", lambda: 4)
     inline = CPUTransferWorker()
-    monkeypatch.setattr(kvsdk.transfer_cpu.torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(kvsdk.transfer.cpu.torch, "get_num_threads", lambda: 2)
     threaded = CPUTransferWorker()
     assert inline.sync_stores and not threaded.sync_stores
     t = torch.arange(64, dtype=torch.uint8).reshape(4, 16)
@@ -159,11 +159,11 @@ def test_a_worker_bound_to_one_cpu_stores_inline_whatever_the_machine_has(
 ) -> None:
     """A TP worker bound to its own CPU (VLLM_CPU_OMP_THREADS_BIND='0|1'): a
     copy thread would only take that CPU from the engine."""
-    import kvsdk.transfer_cpu
+    import kvsdk.transfer.cpu
 
-    monkeypatch.setattr(kvsdk.transfer_cpu.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(kvsdk.transfer_cpu.os, "sched_getaffinity", lambda pid: {1})
-    monkeypatch.setattr(kvsdk.transfer_cpu.torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(kvsdk.transfer.cpu.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(kvsdk.transfer.cpu.os, "sched_getaffinity", lambda pid: {1})
+    monkeypatch.setattr(kvsdk.transfer.cpu.torch, "get_num_threads", lambda: 1)
     w = CPUTransferWorker()
     assert w.sync_stores
     w.shutdown()

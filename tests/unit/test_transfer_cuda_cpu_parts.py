@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvsdk.transfer import BlockCopies, Direction, GroupLayers, TransferJob
-from kvsdk.transfer_cuda import (
+from kvsdk.transfer.cuda import (
     CUDATransferWorker,
     JobTracker,
     kvsdk_transfer_workers,
@@ -358,7 +358,7 @@ def test_registers_as_the_cuda_transfer_worker() -> None:
 
 def test_importing_touches_neither_cuda_nor_the_backends() -> None:
     code = (
-        "import sys, torch, kvsdk.transfer_cuda, kvsdk.kv_layout\n"
+        "import sys, torch, kvsdk.transfer.cuda, kvsdk.transfer.layout\n"
         "assert not torch.cuda.is_initialized()\n"
         "bad = [m for m in sys.modules if m.startswith('kvsdk.backends')]\n"
         "assert not bad, bad\n"

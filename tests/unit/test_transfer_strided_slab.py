@@ -17,7 +17,7 @@ import torch
 # the CUDA worker's fake host runtime and cache layouts (tests/unit is on sys.path under pytest)
 from test_transfer_cuda_cpu_parts import NB, block_bytes, caches, make_worker
 
-import kvsdk.transfer_cpu
+import kvsdk.transfer.cpu
 from kvsdk.slab import SharedSlab, SlabGeometry, segment_name
 from kvsdk.transfer import (
     BlockCopies,
@@ -27,7 +27,7 @@ from kvsdk.transfer import (
     TransferWorker,
     slab_span,
 )
-from kvsdk.transfer_cpu import CPUTransferWorker
+from kvsdk.transfer.cpu import CPUTransferWorker
 
 NUM_SLOTS, BPC, LAYERS = 6, 2, 3
 STORE_BLOCKS = [3, 4, 9, 0, 6]
@@ -143,7 +143,7 @@ def test_cpu_worker_on_region_1_matches_a_contiguous_slab(
     direct_copy_bytes: int,
     sync_stores: bool,
 ) -> None:
-    monkeypatch.setattr(kvsdk.transfer_cpu, "DIRECT_COPY_BYTES", direct_copy_bytes)
+    monkeypatch.setattr(kvsdk.transfer.cpu, "DIRECT_COPY_BYTES", direct_copy_bytes)
     src, dst = cpu_caches(kind, seed=1), cpu_caches(kind, seed=2)
     chunk = GroupLayers(0, tuple(src), BPC).chunk_bytes
     roundtrip_on_region_1(
@@ -158,7 +158,7 @@ def test_cpu_worker_fast_path_engages_on_a_region(tmp_path: Path) -> None:
     g = GroupLayers(0, tuple(src), BPC)
     slab = shared_slab(tmp_path, g.chunk_bytes)
     try:
-        plan = kvsdk.transfer_cpu._GroupPlan(g, slab.region(1))
+        plan = kvsdk.transfer.cpu._GroupPlan(g, slab.region(1))
         assert plan.slab_rows is not None and plan.engine_rows is not None
         assert plan.rows_per_slot == 2 * LAYERS * BPC  # both regions' rows per slot
     finally:

@@ -216,7 +216,7 @@ _DELAY = float(os.environ.get("KVSDK_TEST_SLOW_WORKER_EXIT_S", "0"))
 
 class _SlowWorkerExit(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "kvsdk.transfer_cpu":
+        if name != "kvsdk.transfer.cpu":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)

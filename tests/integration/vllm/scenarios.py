@@ -126,7 +126,7 @@ def fail_every_load() -> None:
     from kvsdk.hooks import hookimpl
     from kvsdk.plugins_manager import plugin_manager
     from kvsdk.transfer import Direction, TransferJob, TransferResult
-    from kvsdk.transfer_cpu import CPUTransferWorker
+    from kvsdk.transfer.cpu import CPUTransferWorker
 
     class FailingLoads(CPUTransferWorker):
         def _run(self, job: TransferJob) -> TransferResult:

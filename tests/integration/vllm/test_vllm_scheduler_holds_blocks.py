@@ -50,7 +50,7 @@ from kvsdk.plugins.vllm.connector import (
 )
 from kvsdk.slab import SHM_DIR, segment_name
 from kvsdk.transfer import Direction, TransferJob, TransferResult, TransferWorker
-from kvsdk.transfer_cpu import CPUTransferWorker
+from kvsdk.transfer.cpu import CPUTransferWorker
 
 BLOCK = 16
 CHUNK = 32  # two blocks per chunk

@@ -12,7 +12,7 @@
   work already queued on its blocks.
 - **Completion**: a CUDA event per job, polled with ``event.query()``;
   ``wait`` synchronizes only the asked jobs' events.
-- **Batched copies** (plans in :mod:`kvsdk.kv_layout`): a job's blocks, for
+- **Batched copies** (plans in :mod:`kvsdk.transfer.layout`): a job's blocks, for
   all layers, are sorted and coalesced into runs contiguous on both sides.
   When runs are large (at least ``direct_min_run_bytes``, measured per device
   at register) each run is one ``cudaMemcpyAsync``. Otherwise the blocks are
@@ -42,9 +42,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from kvsdk import kv_layout as kvl
 from kvsdk.hooks import hookimpl
-from kvsdk.transfer import (
+from kvsdk.transfer import layout as kvl
+from kvsdk.transfer.base import (
     BlockCopies,
     Direction,
     GroupLayers,

@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from kvsdk.hooks import hookimpl
-from kvsdk.transfer import (
+from kvsdk.transfer.base import (
     Direction,
     GroupLayers,
     TransferJob,
