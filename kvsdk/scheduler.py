@@ -50,7 +50,7 @@ class _Request:
     req_id: ReqId
     num_prompt_tokens: int
     num_tokens: int
-    hashes: Sequence[bytes]
+    hashes: list[bytes]
     """One chain hash per ``tokens_per_hash`` tokens (the engine's list, shared)."""
     block_ids: list[list[int]]
     keys: list[list[ChunkKey]]
@@ -92,8 +92,6 @@ class OffloadScheduler:
         tokens_per_hash: int | None = None,
         num_workers: int = 1,
         max_load_tokens: int | None = None,
-        mamba_align_tokens: int | None = None,
-        track_chunks_being_loaded: bool = True,
         metrics: Metrics | None = None,
         blocks_rewritten_before_flush: bool = False,
     ) -> None:
@@ -115,14 +113,13 @@ class OffloadScheduler:
                 )
         self._chunk_tokens = [g.tokens_per_chunk for g in self.groups]
         self._min_chunk_tokens = min(self._chunk_tokens)
-        self.planner = LookupPlanner(
-            self.groups, mamba_align_tokens=mamba_align_tokens, tokens_per_hash=self.tokens_per_hash
-        )
+        self.planner = LookupPlanner(self.groups, tokens_per_hash=self.tokens_per_hash)
         self.ledger = JobLedger(num_workers)
         self.max_load_tokens = max_load_tokens
         self.blocks_rewritten_before_flush = blocks_rewritten_before_flush
         self._requests: dict[ReqId, _Request] = {}
-        self._being_loaded: dict[ChunkKey, int] | None = {} if track_chunks_being_loaded else None
+        self._being_loaded: dict[ChunkKey, int] = {}
+        """Chunks that loads in flight copy out of, with how many loads do."""
         self._step_loads: list[TransferJob] = []
         self._load_blocks: dict[int, frozenset[int]] = {}
         """Engine blocks each load job writes (reported back if the load fails)."""
@@ -148,8 +145,9 @@ class OffloadScheduler:
         token_ids: Sequence[int] | None = None,
         tenant: str = "",
     ) -> None:
-        """``block_hashes`` (the engine's, updated in place as the request
-        grows) or ``token_ids`` (kvsdk hashes them) identify the content."""
+        """``block_hashes`` (the engine's hash of each full block so far; copied,
+        see :meth:`hashes_grew`) or ``token_ids`` (kvsdk hashes them) identify
+        the content."""
         if block_hashes is None:
             if token_ids is None:
                 raise ValueError("add_request needs block_hashes or token_ids")
@@ -158,13 +156,21 @@ class OffloadScheduler:
             req_id=req_id,
             num_prompt_tokens=num_prompt_tokens,
             num_tokens=num_prompt_tokens,
-            hashes=block_hashes,
+            hashes=list(block_hashes),
             block_ids=[[] for _ in self.groups],
             keys=[[] for _ in self.groups],
             next_store_chunk=[0] * len(self.groups),
             tenant=tenant,
         )
         self._set_next_store(r)
+
+    def hashes_grew(self, req_id: ReqId, block_hashes: Sequence[bytes]) -> None:
+        """The engine hashed more full blocks of a request (``block_hashes``: all
+        of them so far, of which kvsdk copies the ones it lacks). Call before a
+        lookup, a step that may store its chunks, and its finish."""
+        r = self._requests.get(req_id)
+        if r is not None and len(block_hashes) > len(r.hashes):
+            r.hashes.extend(block_hashes[len(r.hashes) :])
 
     def _refresh_keys(self, r: _Request) -> None:
         n_hash = len(r.hashes)
@@ -286,9 +292,8 @@ class OffloadScheduler:
         self._loading_requests.add(req_id)
         self._step_loads.append(TransferJob(job_id, Direction.LOAD, copies))
         self._load_blocks[job_id] = frozenset(b for _, eb, _, _ in per_group for b in eb)
-        if self._being_loaded is not None:
-            for k in keys:
-                self._being_loaded[k] = self._being_loaded.get(k, 0) + 1
+        for k in keys:
+            self._being_loaded[k] = self._being_loaded.get(k, 0) + 1
         for gi, g in enumerate(self.groups):  # loaded chunks need no store
             r.next_store_chunk[gi] = max(r.next_store_chunk[gi], end // g.tokens_per_chunk)
         self._set_next_store(r)
@@ -460,26 +465,26 @@ class OffloadScheduler:
     def worker_results(self, results: Iterable[WorkerResult]) -> set[int]:
         """Apply worker reports; returns engine block ids of failed loads."""
         failed_blocks: set[int] = set()
-        stored: tuple[list[ChunkKey], list[ChunkKey]] = ([], [])  # failed, ok
+        stored_ok: list[ChunkKey] = []
+        stored_failed: list[ChunkKey] = []
         for res in results:
             job = self.ledger.complete(res.job_id, res.workers, failed=not res.ok)
             if job is None:
                 continue
             if job.is_store:
-                stored[not job.failed].extend(job.keys)
+                (stored_failed if job.failed else stored_ok).extend(job.keys)
                 if job.failed:
                     self.metrics.inc("kvsdk_failed_jobs_total", direction="store")
             else:
                 blocks = self._load_blocks.pop(job.job_id)
                 self._loading_requests.discard(job.req_id)
                 self.store.complete_load(job.keys)
-                if self._being_loaded is not None:
-                    for k in job.keys:
-                        n = self._being_loaded.get(k, 0) - 1
-                        if n > 0:
-                            self._being_loaded[k] = n
-                        else:
-                            self._being_loaded.pop(k, None)
+                for k in job.keys:
+                    n = self._being_loaded.get(k, 0) - 1
+                    if n > 0:
+                        self._being_loaded[k] = n
+                    else:
+                        self._being_loaded.pop(k, None)
                 if job.failed:
                     self.metrics.inc("kvsdk_failed_jobs_total", direction="load")
                     failed_blocks |= blocks
@@ -488,9 +493,11 @@ class OffloadScheduler:
             r = self._requests.get(job.req_id)
             if r is not None and r.finished and not self.ledger.has_jobs(job.req_id):
                 del self._requests[job.req_id]  # (its store_due entry went at _finish)
-        for ok, keys in enumerate(stored):  # one tier update for all the finished stores
-            if keys:
-                self.store.complete_store(keys, ok=bool(ok))
+        # one tier update for all the finished stores
+        if stored_failed:
+            self.store.complete_store(stored_failed, ok=False)
+        if stored_ok:
+            self.store.complete_store(stored_ok, ok=True)
         return failed_blocks
 
     def request_finished(self, req_id: ReqId, num_tokens: int | None = None) -> bool:
@@ -551,8 +558,7 @@ class OffloadScheduler:
             r.next_store_chunk = [0] * len(self.groups)
             self._set_next_store(r)
         # loads still in flight keep their slots pinned until they complete
-        if self._being_loaded is not None:
-            self._being_loaded.clear()
+        self._being_loaded.clear()
         self._load_blocks.clear()
         self._loading_requests.clear()
         self.store.reset()

@@ -80,7 +80,6 @@ class KVGroupSpec:
     blocks_per_chunk: int = 1
     sliding_window_tokens: int | None = None
     eagle: bool = False
-    bytes_per_block: int = 0
 
     def __post_init__(self) -> None:
         if self.tokens_per_block <= 0 or self.blocks_per_chunk <= 0:
@@ -94,10 +93,6 @@ class KVGroupSpec:
     @property
     def tokens_per_chunk(self) -> int:
         return self.tokens_per_block * self.blocks_per_chunk
-
-    @property
-    def bytes_per_chunk(self) -> int:
-        return self.bytes_per_block * self.blocks_per_chunk
 
     def window_start(self, end_tokens: int) -> int:
         """First token position whose KV is needed to continue after ``end_tokens``.

@@ -420,6 +420,8 @@ class _SchedulerSide:
                 block_hashes=request.block_hashes,
                 tenant=request.cache_salt or "",
             )
+        else:  # e.g. preempted and waiting again, having grown
+            self.core.hashes_grew(rid, request.block_hashes)
         self.requests[rid] = request
         if getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
@@ -455,6 +457,7 @@ class _SchedulerSide:
             upto = req.num_computed_tokens + n
             if upto >= due.get(rid, upto + 1):  # only requests that may complete a chunk
                 computed[rid] = upto if upto < req.num_tokens else req.num_tokens
+                self.core.hashes_grew(rid, req.block_hashes)
         finished: dict[str, int] = {}
         for rid in so.finished_req_ids or ():
             req = self.requests.pop(rid, None)
@@ -515,6 +518,7 @@ class _SchedulerSide:
         rewritten before a flush could run)."""
         rid = request.request_id
         self.requests[rid] = request
+        self.core.hashes_grew(rid, request.block_hashes)
         if not self.core.request_finished(rid, _computed_at_finish(request)):
             return False
         self._held.add(rid)

@@ -212,16 +212,7 @@ def engine_layout(vllm_config: Any, kv_cache_config: Any, *, pp_rank: int = 0) -
                 "(full attention, sliding window and Mamba are)"
             )
         page = int(spec.page_size_bytes)
-        groups.append(
-            KVGroupSpec(
-                gi,
-                kind,
-                bs,
-                bpc,
-                sliding_window_tokens=window,
-                bytes_per_block=page * len(group.layer_names),
-            )
-        )
+        groups.append(KVGroupSpec(gi, kind, bs, bpc, sliding_window_tokens=window))
         layers.append(tuple(group.layer_names))
         layouts.append(GroupLayout((len(group.layer_names), page), str(spec.dtype), kind.value))
         # every stage's region fits the largest stage's layers

@@ -52,7 +52,8 @@ def test_prompt_chunks_at_once_generated_ones_in_batches_and_the_rest_at_finish(
     while tokens < prompt + TPB * DECODE_STORE_CHUNKS + 2:
         tokens += 1
         while len(hashes) < tokens // TPB:
-            hashes.append(chain(1, hashes[-1])[0])  # the engine appends hashes in place
+            hashes.append(chain(1, hashes[-1])[0])  # the engine hashes each new full block
+        s.hashes_grew("r", hashes)
         seen.append(stored_chunks(s, s.build_step(computed_after_step={"r": tokens})))
     batches = [b for b in seen if b]
     assert batches == [list(range(2, 2 + DECODE_STORE_CHUNKS))]
@@ -102,6 +103,7 @@ def test_a_finished_request_holds_its_blocks_only_while_it_has_something_to_stor
     stored_chunks(s, s.build_step(computed_after_step={"c": 8}, new_block_ids={"c": [[5, 6, 7]]},
                                   replace_block_ids=["c"]))  # fmt: skip
     hashes.append(chain(1, hashes[-1])[0])
+    s.hashes_grew("c", hashes)
     assert s.request_finished("c", 12) is True
     final = stored_chunks(s, s.build_step(computed_after_step={}, finished={"c": 12}))
     assert final == [6]  # block 7 holds chunk 2
