@@ -9,13 +9,13 @@ model in a worker process per rank; ``VLLM_CPU_OMP_THREADS_BIND=nobind``, the
 same ``OMP_NUM_THREADS`` everywhere): ``none`` (no connector), ``kvsdk``
 (KVSDKConnector, host-RAM tier) and ``native`` (vLLM's OffloadingConnector
 with its own CPU manager; on the CPU platform its worker comes from
-``benchmarks/native_cpu_offload_spec.py``). Both tiers hold 32-token chunks
+``kvsdk.plugins.vllm.workloads.native_offload``). Both tiers hold 32-token chunks
 (one vLLM block) and have the same capacity. The model is a local
 random-weight Llama (``make_tiny_llama``: hidden 1024, 8 layers, 16 heads,
 8 KV heads, float32), big enough that prefill costs real time.
 
 Both connectors are loaded through ``kv_connector_module_path =
-kvsdk.plugins.vllm.stats_probe``, which exports the unchanged connector
+kvsdk.plugins.vllm.workloads.stats_probe``, which exports the unchanged connector
 classes and adds a read-only ``kvsdk_probe`` utility to the EngineCore: the
 parent asks the engine, on its own thread between steps, whether connector
 work is pending, and times the connector's scheduler-side hooks there.
@@ -88,16 +88,15 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-HERE = Path(__file__).resolve().parent
 CONFIGS = ("none", "kvsdk", "native")
 TP2_CONFIGS = ("none-tp2", "kvsdk-tp2")
 """The TP=2 engines (part 4): tensor_parallel_size=2, started once the others exit."""
 SPEC_NAME = "TorchCPUOffloadingSpec"
-SPEC_MODULE = "native_cpu_offload_spec"  # benchmarks/ is put on sys.path
-PROBE_MODULE = "kvsdk.plugins.vllm.stats_probe"
+SPEC_MODULE = "kvsdk.plugins.vllm.workloads.native_offload"  # the spec kvsdk ships
+PROBE_MODULE = "kvsdk.plugins.vllm.workloads.stats_probe"
 """Both connectors are loaded from here: the same classes, plus the EngineCore probe."""
 
-# The connector methods the scheduler calls (kvsdk.plugins.vllm.stats_probe.CORE_HOOKS and
+# The connector methods the scheduler calls (kvsdk.plugins.vllm.workloads.stats_probe.CORE_HOOKS and
 # OTHER_HOOKS; repeated here so the parent need not import vLLM); the first group is the
 # core figure.
 CORE_METHODS = (
@@ -170,7 +169,7 @@ class Engine:
     def __init__(self, args: argparse.Namespace) -> None:
         from vllm import LLM
 
-        from kvsdk.plugins.vllm import stats_probe
+        from kvsdk.plugins.vllm.workloads import stats_probe
 
         self.probe = stats_probe
         self.args = args
@@ -372,7 +371,6 @@ def _say(tag: str, payload: Any) -> None:
 
 def child_main(args: argparse.Namespace) -> None:
     """Serve tasks from the parent, one at a time: ``{"task": name, **kwargs}`` per line."""
-    sys.path.insert(0, str(HERE))
     engine = Engine(args)
     engine.warmup()
     _say("ready", engine.info)
@@ -411,7 +409,6 @@ class Child:
             VLLM_LOGGING_STREAM="ext://sys.stderr",
             OMP_NUM_THREADS=threads,
             MKL_NUM_THREADS=threads,
-            PYTHONPATH=os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p),
         )
         cmd = [sys.executable, str(Path(__file__).resolve()), *args.argv, "--child", config]
         self.log = open(self.log_path, "w")  # noqa: SIM115 (closed in close())
@@ -892,7 +889,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if args.child:
         child_main(args)
         return None
-    from kvsdk.plugins.vllm.tiny_model import make_tiny_llama
+    from kvsdk.plugins.vllm.workloads.tiny_model import make_tiny_llama
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

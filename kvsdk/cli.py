@@ -1,4 +1,10 @@
-"""``kvsdk`` command line: config check / schema, plugins, bench."""
+"""``kvsdk`` command line: the core's commands (config, inspect, plugins, bench core).
+
+Every other command comes from a plugin through the ``kvsdk_register_commands``
+hook (:mod:`kvsdk.commands`): the engine adapters add theirs (``kvsdk demo``,
+``kvsdk bench serve``, ``kvsdk config check --engine sglang``...); this module
+names no engine.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +13,15 @@ import json
 import sys
 from pathlib import Path
 
+from kvsdk import plugins_manager
+from kvsdk.commands import CommandRegistry
 from kvsdk.config import ConfigError, dump_json_schema, load_config
 
 
 def _config_check(args: argparse.Namespace) -> int:
+    load = args.config_engines[args.engine].load if args.engine else load_config
     try:
-        if args.engine == "sglang":  # SGLang brings its own host tier
-            from kvsdk.plugins.sglang.config import load_storage_config
-
-            cfg, _ = load_storage_config(Path(args.file))
-        else:
-            cfg = load_config(Path(args.file))
+        cfg = load(Path(args.file))
     except ConfigError as exc:
         print(f"{args.file}: {exc}", file=sys.stderr)
         return 2
@@ -50,8 +54,6 @@ def _config_reference(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from kvsdk import plugins_manager
-
     try:
         cfg = load_config(Path(args.config))
     except ConfigError as exc:
@@ -95,8 +97,6 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _plugins(args: argparse.Namespace) -> int:
-    from kvsdk import plugins_manager
-
     infos = plugins_manager.list_plugins()
     if args.json:
         print(json.dumps([i.__dict__ for i in infos], indent=2))
@@ -122,75 +122,6 @@ def _bench_core(args: argparse.Namespace) -> int:
     return 0 if result["mismatched_blocks"] == 0 else 1
 
 
-def _demo(args: argparse.Namespace) -> int:
-    try:
-        from kvsdk.plugins.vllm.demo import format_report, run_demo
-    except ImportError as exc:
-        print(
-            f"kvsdk demo needs vLLM (pip install kvsdk[vllm]; here: scripts/setup.sh vllm): {exc}",
-            file=sys.stderr,
-        )
-        return 2
-    out = Path(args.out)
-    result = run_demo(
-        out,
-        model_dir=Path(args.model_dir),
-        doc_tokens=args.doc_tokens,
-        progress=not args.no_progress,
-    )
-    print(format_report(result))
-    print(f"\nJSON: {out}  plot: {out.with_suffix('.png')}")
-    return 0 if result["outputs_matched"] == result["requests"] else 1
-
-
-def _bench_faults(args: argparse.Namespace) -> int:
-    try:
-        from kvsdk.plugins.vllm import soak
-        from kvsdk.plugins.vllm.tiny_model import make_tiny_llama
-    except ImportError as exc:
-        print(f"kvsdk bench faults needs vLLM: {exc}", file=sys.stderr)
-        return 2
-    model = str(make_tiny_llama(args.model_dir, seed=0))
-    result = soak.run_bench(
-        model, args.requests, args.seed, Path(args.out), progress=not args.no_progress
-    )
-    print(soak.format_report(result))
-    print(f"\nJSON: {args.out}")
-    return 0 if result["mismatches"] == 0 and result["leaks"] == 0 else 1
-
-
-def _bench_serve(args: argparse.Namespace) -> int:
-    try:
-        from kvsdk.plugins.vllm import bench_serve
-        from kvsdk.plugins.vllm.tiny_model import make_tiny_llama
-    except ImportError as exc:
-        print(f"kvsdk bench serve needs vLLM: {exc}", file=sys.stderr)
-        return 2
-    model = str(
-        make_tiny_llama(
-            args.model_dir,
-            seed=0,
-            hidden_size=512,
-            num_layers=8,
-            num_heads=8,
-            num_kv_heads=4,
-            max_position_embeddings=8192,
-        )
-    )
-    result = bench_serve.run_bench(
-        model,
-        Path(args.out),
-        reuses=sorted(args.reuse),
-        users=args.users,
-        rounds=args.rounds,
-        seed=args.seed,
-        progress=not args.no_progress,
-    )
-    print(bench_serve.format_report(result))
-    print(f"\nJSON: {args.out}  plot: {Path(args.out).with_suffix('.png')}")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvsdk", description="KV-cache offloading for LLM engines")
     sub = p.add_subparsers(dest="command", required=True)
@@ -199,12 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
     cfg_sub = cfg.add_subparsers(dest="config_command", required=True)
     check = cfg_sub.add_parser("check", help="validate a YAML config file")
     check.add_argument("file")
-    check.add_argument(
-        "--engine",
-        choices=["vllm", "sglang"],
-        default="vllm",
-        help="sglang: the tiers are HiCache's storage level (no host tier needed)",
-    )
     check.set_defaults(func=_config_check)
     schema = cfg_sub.add_parser("schema", help="print the config's JSON Schema")
     schema.add_argument("-o", "--output")
@@ -222,13 +147,6 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.add_argument("--json", action="store_true")
     plugins.set_defaults(func=_plugins)
 
-    demo = sub.add_parser("demo", help="real vLLM + kvsdk on a local model: TTFT cold vs warm")
-    demo.add_argument("--out", default="out/demo.json")
-    demo.add_argument("--model-dir", default="out/models/demo-llama")
-    demo.add_argument("--doc-tokens", type=int, default=2048)
-    demo.add_argument("--no-progress", action="store_true")
-    demo.set_defaults(func=_demo)
-
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     core = bench_sub.add_parser("core", help="core CPU time per step and per looked-up chunk")
@@ -238,26 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
     core.add_argument("--out", default="out/bench_core.json")
     core.add_argument("--no-progress", action="store_true")
     core.set_defaults(func=_bench_core)
-    faults = bench_sub.add_parser(
-        "faults", help="soak through real vLLM with a faulty tier: mismatches and leaks"
+
+    commands = CommandRegistry(sub, bench_sub)
+    plugins_manager.register_commands(commands)
+    engines = commands.config_engines
+    check.add_argument(
+        "--engine",
+        choices=sorted(engines),
+        help="read the file as this engine does (default: kvsdk's own schema, host tier first); "
+        + "; ".join(f"{name}: {engines[name].help}" for name in sorted(engines)),
     )
-    faults.add_argument("--requests", type=int, default=1000)
-    faults.add_argument("--seed", type=int, default=0)
-    faults.add_argument("--out", default="out/soak.json")
-    faults.add_argument("--model-dir", default="out/models/soak-llama")
-    faults.add_argument("--no-progress", action="store_true")
-    faults.set_defaults(func=_bench_faults)
-    serve = bench_sub.add_parser(
-        "serve", help="multi-round chat on real vLLM: no connector vs kvsdk vs native offloading"
-    )
-    serve.add_argument("--reuse", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 0.9])
-    serve.add_argument("--users", type=int, default=4)
-    serve.add_argument("--rounds", type=int, default=4)
-    serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--out", default="out/bench_serve.json")
-    serve.add_argument("--model-dir", default="out/models/serve-llama")
-    serve.add_argument("--no-progress", action="store_true")
-    serve.set_defaults(func=_bench_serve)
+    check.set_defaults(config_engines=engines)
     return p
 
 

@@ -9,7 +9,8 @@ entry-point group ``kvsdk``::
 
 kvsdk's own backends, policies and transfer workers register through these
 same hooks (see ``kvsdk.plugins_manager.DEFAULT_PLUGINS``); the core has no
-special path for them. Set ``KVSDK_TRACE_HOOKS=1`` to log every hook call.
+special path for them. The engine adapters add their CLI commands through
+``kvsdk_register_commands`` from this same entry-point group. Set ``KVSDK_TRACE_HOOKS=1`` to log every hook call.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    from kvsdk.commands import CommandRegistry
     from kvsdk.events import KVEvent
 
 PROJECT = "kvsdk"
@@ -66,3 +68,12 @@ def kvsdk_startup(config: Any) -> None:
 @hookspec
 def kvsdk_shutdown() -> None:
     """Lifecycle: the engine context is shutting down; flush and release resources."""
+
+
+@hookspec
+def kvsdk_register_commands(commands: CommandRegistry) -> None:
+    """CLI: add ``kvsdk`` subcommands, ``kvsdk bench`` benchmarks and
+    ``kvsdk config check --engine`` engines to ``commands`` (a
+    :class:`kvsdk.commands.CommandRegistry`). Called once per ``kvsdk``
+    invocation, ``--help`` included: import engines inside the command's
+    ``run``, not at module level."""

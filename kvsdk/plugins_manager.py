@@ -8,11 +8,14 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from kvsdk import hooks
+
+if TYPE_CHECKING:
+    from kvsdk.commands import CommandRegistry
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +82,11 @@ def eviction_policies() -> dict[str, Callable[..., Any]]:
 
 def transfer_workers() -> dict[str, Callable[..., Any]]:
     return _merged(plugin_manager().hook.kvsdk_transfer_workers())
+
+
+def register_commands(commands: CommandRegistry) -> None:
+    """Let every plugin add its CLI commands (the engine adapters' ``demo``, ``bench serve``...)."""
+    plugin_manager().hook.kvsdk_register_commands(commands=commands)
 
 
 def list_plugins() -> list[PluginInfo]:

@@ -19,14 +19,14 @@ HERE = Path(__file__).parent
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from kvsdk.plugins.vllm.tiny_model import make_tiny_llama
+    from kvsdk.plugins.vllm.workloads.tiny_model import make_tiny_llama
 
     return str(make_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama", seed=0))
 
 
 @pytest.fixture(scope="session")
 def hybrid_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from kvsdk.plugins.vllm.tiny_model import make_tiny_hybrid
+    from kvsdk.plugins.vllm.workloads.tiny_model import make_tiny_hybrid
 
     return str(make_tiny_hybrid(tmp_path_factory.mktemp("model") / "tiny-gemma2", seed=0))
 
@@ -85,7 +85,7 @@ def test_vllm_and_kvsdk_defaults_load_bitwise_equal_kv(model_dir: str, tmp_path:
 def test_an_mla_model_on_vllm_cpu_is_refused_at_start_with_one_sentence(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    from kvsdk.plugins.vllm.tiny_model import make_tiny_mla
+    from kvsdk.plugins.vllm.workloads.tiny_model import make_tiny_mla
 
     model = str(make_tiny_mla(tmp_path_factory.mktemp("model") / "tiny-mla"))
     r = run("mla_refused", model, tmp_path_factory.mktemp("mla"))

@@ -71,7 +71,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvsdk.plugins.vllm.tiny_model import make_tiny_llama
+    from kvsdk.plugins.vllm.workloads.tiny_model import make_tiny_llama
 
     base = tmp_path_factory.mktemp("parallel-model")
     make_tiny_llama(base / MODEL, seed=0)

@@ -83,7 +83,7 @@ def _perturb_middle_layer(model_dir: Path) -> None:
 def workdirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Working directories, each holding a model called ``tiny-llama``:
     ``a`` (seed 0) and ``foreign`` (seed 1)."""
-    from kvsdk.plugins.vllm.tiny_model import make_tiny_llama
+    from kvsdk.plugins.vllm.workloads.tiny_model import make_tiny_llama
 
     base = tmp_path_factory.mktemp("tier-models")
     dirs = {name: base / name for name in ("a", "foreign")}

@@ -12,17 +12,16 @@ EngineCore process. Its counters (tokens served, backend errors, failed jobs)
 and vLLM's preemption count reach this process through vLLM's stats path
 (Prometheus); the end state the leak checks read (tracked requests, ledger
 jobs and fences, pinned host entries, host slots, faults injected) is read
-in the EngineCore, between steps, by ``kvsdk.plugins.vllm.stats_probe``
+in the EngineCore, between steps, by ``kvsdk.plugins.vllm.workloads.stats_probe``
 (named as the connector's module path: the same ``KVSDKConnector``).
 
-    python -m kvsdk.plugins.vllm.soak --requests 1000 --out out/soak.json
+    python -m kvsdk.plugins.vllm.workloads.soak --requests 1000 --out out/soak.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import subprocess
 import sys
@@ -31,8 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from kvsdk.plugins.vllm.workloads import use_cpu_engine_defaults
 
 HOST_CAPACITY = 4 << 20  # small on purpose: evictions and promotions from the faulty tier
 
@@ -55,6 +53,7 @@ def workload(n: int, seed: int) -> list[dict[str, Any]]:
 
 
 def make_llm(model: str, kvsdk_config: dict[str, Any] | None) -> Any:
+    use_cpu_engine_defaults(kv_cache_gib=1)
     from vllm import LLM
 
     kw: dict[str, Any] = {}
@@ -62,7 +61,7 @@ def make_llm(model: str, kvsdk_config: dict[str, Any] | None) -> Any:
         kw["kv_transfer_config"] = {
             "kv_connector": "KVSDKConnector",
             "kv_role": "kv_both",
-            "kv_connector_module_path": "kvsdk.plugins.vllm.stats_probe",  # + the probe
+            "kv_connector_module_path": "kvsdk.plugins.vllm.workloads.stats_probe",  # + the probe
             "kv_connector_extra_config": {"config": kvsdk_config},
         }
         # 1152 tokens of KV for 12 sequences: preemptions (how many varies from run to run:
@@ -125,7 +124,7 @@ def drive(
 
 
 def run_soak(model: str, n: int, seed: int, workdir: Path, progress: Any = None) -> dict[str, Any]:
-    from kvsdk.plugins.vllm import stats_probe
+    from kvsdk.plugins.vllm.workloads import stats_probe
 
     config = {
         "chunk_tokens": 32,
@@ -195,11 +194,11 @@ def main() -> None:
     ap.add_argument("--reference", help=argparse.SUPPRESS)  # internal: write reference outputs
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args()
-    from kvsdk.plugins.vllm.tiny_model import make_tiny_llama
+    from kvsdk.plugins.vllm.workloads.tiny_model import make_tiny_llama
 
     model = str(make_tiny_llama(args.model_dir, seed=0))
     if args.reference:
-        from kvsdk.plugins.vllm.stats_probe import shutdown
+        from kvsdk.plugins.vllm.workloads.stats_probe import shutdown
 
         llm = make_llm(model, None)
         reqs = [dict(r, abort_after_steps=None) for r in workload(args.requests, args.seed)]
@@ -227,7 +226,7 @@ def run_bench(model: str, n: int, seed: int, out: Path, *, progress: bool = True
             [
                 sys.executable,
                 "-m",
-                "kvsdk.plugins.vllm.soak",
+                "kvsdk.plugins.vllm.workloads.soak",
                 "--requests",
                 str(n),
                 "--seed",

@@ -30,15 +30,13 @@ whether the outputs matched) and writes JSON plus a PNG plot.
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+from kvsdk.plugins.vllm.workloads import use_cpu_engine_defaults
 
 
 @dataclass
@@ -75,12 +73,18 @@ def run_demo(
     seed: int = 0,
     progress: bool = True,
 ) -> dict[str, Any]:
+    use_cpu_engine_defaults(kv_cache_gib=2)
     from tqdm import tqdm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvsdk.plugins.vllm.stats_probe import kvsdk_counters, reset_caches, shutdown, sync_stats
-    from kvsdk.plugins.vllm.tiny_model import make_tiny_llama
+    from kvsdk.plugins.vllm.workloads.stats_probe import (
+        kvsdk_counters,
+        reset_caches,
+        shutdown,
+        sync_stats,
+    )
+    from kvsdk.plugins.vllm.workloads.tiny_model import make_tiny_llama
 
     model = make_tiny_llama(
         model_dir,

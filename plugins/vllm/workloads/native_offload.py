@@ -32,7 +32,7 @@ Turn it on with::
         "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {
             "spec_name": "TorchCPUOffloadingSpec",
-            "spec_module_path": "native_cpu_offload_spec",   # this file on sys.path
+            "spec_module_path": "kvsdk.plugins.vllm.workloads.native_offload",
             "cpu_bytes_to_use": 2 << 30,
         },
     }

@@ -9,7 +9,7 @@ keep every conversation):
 - ``none``: no connector (vLLM's own prefix cache only);
 - ``kvsdk``: ``KVSDKConnector`` with its default host-RAM tier;
 - ``native``: vLLM's ``OffloadingConnector`` with a CPU tier of the same size
-  (on vLLM-CPU through ``benchmarks/native_cpu_offload_spec.py``).
+  (on vLLM-CPU through :mod:`kvsdk.plugins.vllm.workloads.native_offload`).
 
 The reuse rate ``r`` is the share of a turn's prompt that repeats earlier
 turns: each turn adds ``(1 - r) / r`` times the history's length in new
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -34,12 +33,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from kvsdk.plugins.vllm.workloads import use_cpu_engine_defaults
 
 CONFIGS = ("none", "kvsdk", "native")
 HOST_BYTES = 1 << 30
-NATIVE_SPEC_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+NATIVE_SPEC_MODULE = "kvsdk.plugins.vllm.workloads.native_offload"
 
 
 def conversations(
@@ -75,6 +73,7 @@ def conversations(
 
 
 def engine(model: str, config: str) -> Any:
+    use_cpu_engine_defaults(kv_cache_gib=1)
     from vllm import LLM
 
     kw: dict[str, Any] = {}
@@ -90,13 +89,12 @@ def engine(model: str, config: str) -> Any:
             },
         }
     elif config == "native":
-        sys.path.insert(0, str(NATIVE_SPEC_DIR))
         kw["kv_transfer_config"] = {
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "spec_name": "TorchCPUOffloadingSpec",
-                "spec_module_path": "native_cpu_offload_spec",
+                "spec_module_path": NATIVE_SPEC_MODULE,
                 "cpu_bytes_to_use": HOST_BYTES,
                 "block_size": 32,
             },
@@ -121,7 +119,7 @@ def run_config(
     model: str, config: str, reuses: list[float], users: int, rounds: int, seed: int, out: Path
 ) -> None:
     """One engine configuration, every reuse rate (in this process)."""
-    from kvsdk.plugins.vllm.stats_probe import shutdown
+    from kvsdk.plugins.vllm.workloads.stats_probe import shutdown
 
     llm = engine(model, config)
     try:
@@ -137,7 +135,7 @@ def _run_reuses(
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvsdk.plugins.vllm.stats_probe import reset_caches
+    from kvsdk.plugins.vllm.workloads.stats_probe import reset_caches
 
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=[5] * 64)], sp, use_tqdm=False)  # warm-up
@@ -191,7 +189,7 @@ def run_bench(
                 [
                     sys.executable,
                     "-m",
-                    "kvsdk.plugins.vllm.bench_serve",
+                    "kvsdk.plugins.vllm.workloads.bench_serve",
                     "--worker",
                     config,
                     "--model",

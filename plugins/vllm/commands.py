@@ -1,0 +1,140 @@
+"""The vLLM adapter's ``kvsdk`` commands: ``demo``, ``bench serve``, ``bench faults``
+and ``config check --engine vllm``.
+
+Registered through the ``kvsdk`` entry-point group like any plugin. Importing
+this module imports no vLLM: each command imports its workload
+(:mod:`kvsdk.plugins.vllm.workloads`) when it runs, and says so in one line
+when vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+from kvsdk.commands import CommandRegistry
+from kvsdk.config import KVSDKConfig, load_config
+from kvsdk.hooks import hookimpl
+
+_SERVE_MODEL = {
+    "hidden_size": 512,
+    "num_layers": 8,
+    "num_heads": 8,
+    "num_kv_heads": 4,
+    "max_position_embeddings": 8192,
+}
+"""The tiny Llama ``bench serve`` runs (the demo builds the same shape itself)."""
+
+
+def _have_vllm() -> bool:
+    return importlib.util.find_spec("vllm") is not None  # finds, does not import
+
+
+def _vllm_missing(command: str) -> bool:
+    """True (and one line on stderr) when vLLM is not installed."""
+    if _have_vllm():
+        return False
+    print(
+        f"kvsdk {command} needs vLLM (pip install vllm; in this repository: scripts/setup.sh vllm)",
+        file=sys.stderr,
+    )
+    return True
+
+
+def _demo(args: argparse.Namespace) -> int:
+    if _vllm_missing("demo"):
+        return 2
+    from kvsdk.plugins.vllm.workloads.demo import format_report, run_demo
+
+    out = Path(args.out)
+    result = run_demo(
+        out,
+        model_dir=Path(args.model_dir),
+        doc_tokens=args.doc_tokens,
+        progress=not args.no_progress,
+    )
+    print(format_report(result))
+    print(f"\nJSON: {out}  plot: {out.with_suffix('.png')}")
+    return 0 if result["outputs_matched"] == result["requests"] else 1
+
+
+def _bench_faults(args: argparse.Namespace) -> int:
+    if _vllm_missing("bench faults"):
+        return 2
+    from kvsdk.plugins.vllm.workloads import soak
+    from kvsdk.plugins.vllm.workloads.tiny_model import make_tiny_llama
+
+    model = str(make_tiny_llama(args.model_dir, seed=0))
+    result = soak.run_bench(
+        model, args.requests, args.seed, Path(args.out), progress=not args.no_progress
+    )
+    print(soak.format_report(result))
+    print(f"\nJSON: {args.out}")
+    return 0 if result["mismatches"] == 0 and result["leaks"] == 0 else 1
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    if _vllm_missing("bench serve"):
+        return 2
+    from kvsdk.plugins.vllm.workloads import bench_serve
+    from kvsdk.plugins.vllm.workloads.tiny_model import make_tiny_llama
+
+    model = str(make_tiny_llama(args.model_dir, seed=0, **_SERVE_MODEL))
+    result = bench_serve.run_bench(
+        model,
+        Path(args.out),
+        reuses=sorted(args.reuse),
+        users=args.users,
+        rounds=args.rounds,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    print(bench_serve.format_report(result))
+    print(f"\nJSON: {args.out}  plot: {Path(args.out).with_suffix('.png')}")
+    return 0
+
+
+def _load_vllm_config(path: Path) -> KVSDKConfig:
+    return load_config(path)  # vLLM runs kvsdk's whole chain, host tier first
+
+
+@hookimpl
+def kvsdk_register_commands(commands: CommandRegistry) -> None:
+    note = "" if _have_vllm() else " [needs vLLM]"
+    commands.config_engine(
+        "vllm", help="the whole tier chain, a host tier first", load=_load_vllm_config
+    )
+
+    demo = commands.command(
+        "demo", help="real vLLM + kvsdk on a local model: TTFT cold vs warm" + note, run=_demo
+    )
+    demo.add_argument("--out", default="out/demo.json")
+    demo.add_argument("--model-dir", default="out/models/demo-llama")
+    demo.add_argument("--doc-tokens", type=int, default=2048)
+    demo.add_argument("--no-progress", action="store_true")
+
+    faults = commands.bench(
+        "faults",
+        help="soak through real vLLM with a faulty tier: mismatches and leaks" + note,
+        run=_bench_faults,
+    )
+    faults.add_argument("--requests", type=int, default=1000)
+    faults.add_argument("--seed", type=int, default=0)
+    faults.add_argument("--out", default="out/soak.json")
+    faults.add_argument("--model-dir", default="out/models/soak-llama")
+    faults.add_argument("--no-progress", action="store_true")
+
+    serve = commands.bench(
+        "serve",
+        help="multi-round chat on real vLLM: no connector vs kvsdk vs native offloading" + note,
+        run=_bench_serve,
+    )
+    serve.add_argument("--reuse", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 0.9])
+    serve.add_argument("--users", type=int, default=4)
+    serve.add_argument("--rounds", type=int, default=4)
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--out", default="out/bench_serve.json")
+    serve.add_argument("--model-dir", default="out/models/serve-llama")
+    serve.add_argument("--no-progress", action="store_true")
