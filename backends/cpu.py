@@ -54,13 +54,12 @@ class CPUBackend(HostTier):
             options.pin_memory == "auto" and torch.cuda.is_available()
         )
         self._shared: SharedSlab | None = None
-        slab_name: str | None = context.extra.get("slab_name")
-        if slab_name:  # shared memory: the engine's worker processes attach to it
-            regions = int(context.extra.get("slab_regions", 1))
+        if context.slab is not None:  # shared memory: the engine's worker processes attach to it
+            regions = context.slab.regions
             if self.slot_bytes % regions:
                 raise ValueError(f"cpu tier: a {self.slot_bytes} B slot has no {regions} regions")
             geometry = SlabGeometry(n, self.slot_bytes // regions, regions)
-            self._shared = SharedSlab.create(slab_name, geometry)
+            self._shared = SharedSlab.create(context.slab.name, geometry)
             self._slab = self._shared.tensor  # each worker pins its own mapping for DMA
         else:
             self._slab = torch.empty((n, self.slot_bytes), dtype=torch.uint8, pin_memory=pin)
@@ -259,6 +258,12 @@ class CPUBackend(HostTier):
 
     def close(self) -> None:
         self.seal()
+
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    def corrupt_count(self) -> int:
+        return 0  # bytes never leave this process: nothing to verify
 
     def stats(self) -> dict[str, float]:
         return {

@@ -118,6 +118,8 @@ class DiskBackend(Backend):
     medium = Medium.DISK
     locality = Locality.NODE
     supports_listing = True
+    supports_get_into = True
+    supports_scatter_gather = True
 
     def __init__(self, options: DiskOptions, context: TierContext) -> None:
         if len(context.namespace_fp) != FP_BYTES:
@@ -501,6 +503,13 @@ class DiskBackend(Backend):
                 capacity_bytes=float(self.options.capacity),
             )
         return out
+
+    def capacity_bytes(self) -> int:
+        return self.options.capacity
+
+    def corrupt_count(self) -> int:
+        with self._lock:
+            return self._counters["corrupt"]
 
     def close(self) -> None:
         if self._pool is not None:

@@ -162,6 +162,13 @@ class FaultyBackend(Backend):
         s["corrupt"] = s.get("corrupt", 0.0) + self.injected["caught_by_checks"]
         return s
 
+    def capacity_bytes(self) -> int | None:
+        return self.inner.capacity_bytes()
+
+    def corrupt_count(self) -> int:
+        """The wrapped tier's, plus the injected faults its frame checks caught."""
+        return self.inner.corrupt_count() + self.injected["caught_by_checks"]
+
     def close(self) -> None:
         self.inner.close()
 

@@ -488,6 +488,13 @@ class RedisBackend(Backend):
                 except ValueError:
                     continue
 
+    def capacity_bytes(self) -> None:
+        return None  # Redis evicts by its own policy; kvsdk sees no byte budget
+
+    def corrupt_count(self) -> int:
+        with self._lock:
+            return self._counters["corrupt"]
+
     def stats(self) -> dict[str, float]:
         with self._lock:
             out = {k: float(v) for k, v in self._counters.items()}

@@ -19,8 +19,22 @@ Values passed to ``put`` and returned by ``get`` are raw chunk payloads.
 A backend that keeps bytes outside this process frames them on ``put``
 (``kvsdk.chunk_format``: magic, version, namespace, key, shape, checksum)
 and verifies the frame on ``get``: a corrupt, foreign or truncated entry is
-returned as ``None`` (a miss), counted and deleted. Optionally,
-``get_into(keys, buffers)`` reads payloads straight into caller buffers.
+returned as ``None`` (a miss), counted (``corrupt_count``) and deleted.
+
+Declared capabilities, in the manner of zarr's ``Store``: every method below
+has a default built on the primitives, and a backend that does better
+overrides it and says so in a class flag, so callers never probe with
+``getattr`` or compare methods:
+
+- ``get_into(keys, outs)``       read payloads into caller buffers; native
+                                  (no intermediate copy) when ``supports_get_into``
+- ``put_parts`` / ``get_into_parts``  payloads as lists of buffers; native
+                                  (``writev`` / ``readv``) when ``supports_scatter_gather``
+- ``capacity_bytes()``           bytes the tier may hold, or None (unbounded / unknown)
+- ``corrupt_count()``            integrity failures seen so far (grows, never shrinks)
+
+``stats()`` is for display (metrics labels, ``kvsdk inspect``); nothing reads
+control values out of it.
 
 The host-RAM tier additionally implements :class:`HostTier`: addressable
 fixed-size slots a transfer worker copies into directly.
@@ -45,6 +59,15 @@ class BackendError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class SlabRequest:
+    """The host tier's slab lives in the shared-memory segment ``name``, each
+    slot split into ``regions`` equal rank regions (see :mod:`kvsdk.slab`)."""
+
+    name: str
+    regions: int = 1
+
+
+@dataclass(frozen=True)
 class TierContext:
     """What a backend learns about its place when it is built."""
 
@@ -56,7 +79,11 @@ class TierContext:
     tier_index: int = 0
     policy_factory: Any = None
     """``factory(capacity=entries) -> EvictionPolicy`` for tiers that evict locally."""
+    slab: SlabRequest | None = None
+    """For the host tier: a shared-memory slab the engine's processes attach to
+    (None: a private one)."""
     extra: dict[str, Any] = field(default_factory=dict)
+    """Anything else an embedding passes to third-party backends."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +100,11 @@ class Backend(ABC):
     medium: ClassVar[Medium] = Medium.CPU
     locality: ClassVar[Locality] = Locality.PROCESS
     supports_listing: ClassVar[bool] = False
+    """``iter_keys`` lists the stored keys."""
+    supports_get_into: ClassVar[bool] = False
+    """``get_into`` reads straight into the caller's buffers (no intermediate copy)."""
+    supports_scatter_gather: ClassVar[bool] = False
+    """``put_parts`` / ``get_into_parts`` move a payload's parts as they are (no join)."""
 
     @abstractmethod
     def exists(self, keys: Sequence[ChunkKey]) -> list[bool]: ...
@@ -90,7 +122,19 @@ class Backend(ABC):
     def clear(self) -> None: ...
 
     def stats(self) -> dict[str, float]:
+        """Numbers for display (metrics, ``kvsdk inspect``)."""
         return {}
+
+    def capacity_bytes(self) -> int | None:
+        """Bytes this tier may hold, or None when unbounded or unknown. The
+        default reads a ``capacity_bytes`` entry of ``stats()`` (older backends)."""
+        cap = self.stats().get("capacity_bytes")
+        return int(cap) if cap else None
+
+    def corrupt_count(self) -> int:
+        """Integrity failures (corrupt or foreign entries read) since start. The
+        default reads a ``corrupt`` entry of ``stats()`` (older backends)."""
+        return int(self.stats().get("corrupt", 0))
 
     def close(self) -> None:
         return None
@@ -99,11 +143,27 @@ class Backend(ABC):
         """All stored keys (only when ``supports_listing``)."""
         raise NotImplementedError(f"{type(self).__name__} cannot list its keys")
 
+    def get_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[bool]:
+        """Like ``get``, each payload read into the writable flat byte view
+        ``outs[i]``, which it must fill exactly (another size is a miss). Per
+        key whether it was read; where False the destination's contents are
+        undefined. This default copies out of ``get``; backends that read in
+        place override it and set ``supports_get_into``."""
+        done = []
+        for value, out in zip(self.get(keys), outs):
+            ok = value is not None and memoryview(value).nbytes == out.nbytes
+            if ok:
+                assert value is not None
+                out[:] = memoryview(value).cast("B")
+            done.append(ok)
+        return done
+
     def put_parts(self, items: Sequence[tuple[ChunkKey, Sequence[memoryview]]]) -> list[bool]:
         """Like ``put``, each payload given as flat byte views whose concatenation
         it is (e.g. a page lying in several regions of host memory). Backends
-        with scatter/gather I/O override this and write the parts as they are;
-        this default joins them (one copy) and calls ``put``."""
+        with scatter/gather I/O override this (and set ``supports_scatter_gather``)
+        and write the parts as they are; this default joins them (one copy)
+        and calls ``put``."""
         return self.put([(key, b"".join(parts)) for key, parts in items])
 
     def get_into_parts(
@@ -113,7 +173,8 @@ class Backend(ABC):
         ``outs[i]`` in order (their sizes must add up to the payload's exactly;
         another size is a miss). Per key whether it was read; where False the
         destinations' contents are undefined. Backends with scatter/gather I/O
-        override this; this default copies out of ``get``."""
+        override this (and set ``supports_scatter_gather``); this default
+        copies out of ``get``."""
         done = []
         for value, parts in zip(self.get(keys), outs):
             src = None if value is None else memoryview(value).cast("B")

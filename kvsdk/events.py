@@ -3,7 +3,9 @@
 The tiered store records events as they happen; adapters drain them
 (``take_events``) to translate into their engine's types (vLLM's
 ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``), and every batch is
-also published to event sinks through the ``kvsdk_publish_events`` hook.
+also handed to the tracker's ``sink`` (whoever builds the tracker passes it:
+:class:`kvsdk.store.factory.StoreHandle` passes the plugins'
+``kvsdk_publish_events`` hook).
 Both queues are bounded: beyond ``max_pending`` the oldest events are dropped
 and counted, never an unbounded backlog.
 """
@@ -14,9 +16,9 @@ import enum
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvsdk.types import ChunkKey, Locality, Medium
 
@@ -29,6 +31,22 @@ class EventKind(str, enum.Enum):
     CLEARED = "cleared"
 
 
+class EventOrigin(NamedTuple):
+    """Where a chunk came from in the engine: what the scheduler annotates each
+    chunk key with, so events can name chunks by the engine's own hashes."""
+
+    group: int
+    """The KV cache group's index."""
+    chunk: int
+    """The chunk's position in its request (0 = the first chunk)."""
+    block_hash: Any
+    """The engine's hash of the chunk's last block."""
+
+
+EventSink = Callable[[Sequence["KVEvent"]], object]
+"""Receives each published batch of events; must not block."""
+
+
 @dataclass(frozen=True)
 class KVEvent:
     kind: EventKind
@@ -38,13 +56,20 @@ class KVEvent:
     locality: Locality
     timestamp: float
     info: tuple[Any, ...] = ()
-    """Per key, what the adapter annotated (e.g. engine block hash, tokens), or None."""
+    """Per key, what the adapter annotated (an :class:`EventOrigin`, SGLang's
+    page hash), or None."""
 
 
 class EventTracker:
-    def __init__(self, *, enabled: bool = True, max_pending: int = 100_000) -> None:
+    """Bounded queues of events; not thread-safe (its owner serializes calls)."""
+
+    def __init__(
+        self, *, enabled: bool = True, max_pending: int = 100_000, sink: EventSink | None = None
+    ) -> None:
         self.enabled = enabled
         self.max_pending = max_pending
+        self.sink = sink
+        """Where ``publish`` sends each batch (None: nowhere)."""
         self._pending: deque[KVEvent] = deque()
         self._unpublished: deque[KVEvent] = deque()
         self._annotations: OrderedDict[ChunkKey, Any] = OrderedDict()
@@ -94,15 +119,15 @@ class EventTracker:
         return out
 
     def publish(self) -> None:
-        """Send new events to every registered sink (one hook call per batch)."""
+        """Send new events to the sink (one call per batch)."""
         if not self._unpublished:
             return
         batch = list(self._unpublished)
         self._unpublished.clear()
-        from kvsdk.plugins_manager import plugin_manager
-
+        if self.sink is None:
+            return
         try:
-            plugin_manager().hook.kvsdk_publish_events(events=batch)
+            self.sink(batch)
         except Exception:  # a sink must never break serving
             log.exception("an event sink failed; events of this batch may be lost for it")
 

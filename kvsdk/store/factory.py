@@ -1,19 +1,32 @@
-"""Build a :class:`TieredStore` from a validated config."""
+"""Build tiers and stores from a validated config, and own their life.
+
+:class:`StoreHandle` is what an adapter holds: opening it starts the
+Prometheus exporter (when configured), builds the event tracker with the
+plugins' ``kvsdk_publish_events`` hook as its sink and fires
+``kvsdk_startup``; it then builds the store (vLLM: a :class:`TieredStore`)
+or the tier chain (SGLang: a :class:`TierChain`); ``close`` closes them and
+fires ``kvsdk_shutdown``, exactly once. :func:`build_store` is a bare store
+(no exporter, no lifecycle hooks) for tests and benchmarks.
+"""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from functools import partial
 
 from kvsdk import plugins_manager
-from kvsdk.backend import Backend, HostTier, TierContext
+from kvsdk.backend import Backend, HostTier, SlabRequest, TierContext
 from kvsdk.config import ConfigError, KVSDKConfig
-from kvsdk.events import EventTracker
+from kvsdk.events import EventSink, EventTracker, KVEvent
 from kvsdk.keys import Namespace
 from kvsdk.metrics import Metrics, start_prometheus_exporter
 from kvsdk.slab import SlabError
+from kvsdk.store.chain import TierChain
 from kvsdk.store.tiered import TieredStore
 
 _exporters: dict[int, Metrics] = {}
+_exporters_lock = threading.Lock()
 
 
 def build_tiers(
@@ -21,9 +34,11 @@ def build_tiers(
     namespace: Namespace,
     chunk_bytes: int,
     *,
-    slab_name: str | None = None,
-    slab_regions: int = 1,
+    slab: SlabRequest | None = None,
 ) -> list[Backend]:
+    """Every tier of ``config``, in order (closed again if one fails to build).
+    ``slab``: the host tier's slab is that shared-memory segment, which the
+    engine's worker processes attach to (see :mod:`kvsdk.slab`)."""
     backends = plugins_manager.backends()
     policy = plugins_manager.eviction_policies()[config.eviction]
     tiers: list[Backend] = []
@@ -35,7 +50,7 @@ def build_tiers(
                 chunk_bytes=chunk_bytes,
                 tier_index=i,
                 policy_factory=partial(policy),
-                extra={"slab_name": slab_name, "slab_regions": slab_regions} if slab_name else {},
+                slab=slab,
             )
             try:
                 tiers.append(backends[tier.backend](tier.options, ctx))
@@ -48,37 +63,144 @@ def build_tiers(
     return tiers
 
 
+def plugin_event_sink() -> EventSink:
+    """The plugins' ``kvsdk_publish_events`` hook as an event sink (plugins
+    registered later are called too)."""
+    hook = plugins_manager.plugin_manager().hook.kvsdk_publish_events
+
+    def publish(events: Sequence[KVEvent]) -> None:
+        hook(events=events)
+
+    return publish
+
+
 def build_store(
     config: KVSDKConfig,
     namespace: Namespace,
     chunk_bytes: int,
     *,
     metrics: Metrics | None = None,
-    slab_name: str | None = None,
-    slab_regions: int = 1,
+    events: EventTracker | None = None,
+    slab: SlabRequest | None = None,
 ) -> TieredStore:
-    """``slab_name``: the host tier's slab is the shared-memory segment of
-    that name, with ``slab_regions`` rank regions per slot, which an engine's
-    worker processes attach to (see :mod:`kvsdk.slab`)."""
-    host, *lower = build_tiers(
-        config, namespace, chunk_bytes, slab_name=slab_name, slab_regions=slab_regions
-    )
+    """A :class:`TieredStore` over the tiers of ``config`` (its events go to the
+    plugins' sinks unless ``events`` is given). No exporter, no lifecycle
+    hooks: an adapter opens a :class:`StoreHandle` instead."""
+    host, *lower = build_tiers(config, namespace, chunk_bytes, slab=slab)
     assert isinstance(host, HostTier)
-    metrics = metrics or Metrics()
-    port = config.metrics.prometheus_port
-    if port is not None:
-        if port in _exporters:  # one exporter per port and process; it serves the first store
-            metrics = _exporters[port]
-        else:
-            start_prometheus_exporter(metrics, port)
-            _exporters[port] = metrics
-    plugins_manager.plugin_manager().hook.kvsdk_startup(config=config)
+    if events is None:
+        events = EventTracker(
+            enabled=config.events.enabled,
+            max_pending=config.events.max_pending,
+            sink=plugin_event_sink(),
+        )
     return TieredStore(
         host,
         lower,
-        events=EventTracker(enabled=config.events.enabled, max_pending=config.events.max_pending),
-        metrics=metrics,
+        events=events,
+        metrics=metrics or Metrics(),
         min_lookups=config.admission.min_lookups,
         tenant_quotas=config.tenant_quotas,
         io_threads=config.io_threads,
     )
+
+
+class StoreHandle:
+    """One owner of a store's life (see the module docstring).
+
+    ``port_offset`` is added to ``metrics.prometheus_port`` (one port per rank
+    on a node); one exporter serves a port per process, with the metrics of
+    the first handle that opened it.
+    """
+
+    def __init__(self, config: KVSDKConfig, *, port_offset: int = 0) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        port = config.metrics.prometheus_port
+        if port is not None:
+            port += port_offset
+            with _exporters_lock:
+                if port in _exporters:
+                    self.metrics = _exporters[port]
+                else:
+                    try:
+                        start_prometheus_exporter(self.metrics, port)
+                    except OSError as exc:
+                        raise ConfigError(
+                            f"metrics.prometheus_port: cannot serve on port {port}"
+                            + (f" (the configured port + {port_offset})" if port_offset else "")
+                            + f": {exc.strerror or exc}"
+                        ) from None
+                    _exporters[port] = self.metrics
+        self.events = EventTracker(
+            enabled=config.events.enabled,
+            max_pending=config.events.max_pending,
+            sink=plugin_event_sink(),
+        )
+        self.store: TieredStore | None = None
+        self.chain: TierChain | None = None
+        self._closed = False
+        plugins_manager.plugin_manager().hook.kvsdk_startup(config=config)
+
+    def build_store(
+        self, namespace: Namespace, chunk_bytes: int, *, slab: SlabRequest | None = None
+    ) -> TieredStore:
+        """The vLLM path: host tier and slower tiers behind a :class:`TieredStore`.
+        If it cannot be built, the handle is closed and the error raised."""
+        assert self.store is None and not self._closed
+        try:
+            self.store = build_store(
+                self.config,
+                namespace,
+                chunk_bytes,
+                metrics=self.metrics,
+                events=self.events,
+                slab=slab,
+            )
+        except BaseException:
+            self.close()
+            raise
+        return self.store
+
+    def build_chain(
+        self,
+        namespace: Namespace,
+        item_bytes: int,
+        *,
+        config: KVSDKConfig | None = None,
+        track_keys: int = 0,
+    ) -> TierChain:
+        """The storage-level path: the tiers of ``config`` (default: the handle's)
+        as a :class:`TierChain` with a background copier for copy-ups. A chain
+        built before is closed first (a new namespace replaces it)."""
+        assert not self._closed
+        if self.chain is not None:
+            self.chain.close()
+            self.chain = None
+        tiers = build_tiers(config or self.config, namespace, item_bytes)
+        self.chain = TierChain(
+            tiers,
+            metrics=self.metrics,
+            events=self.events,
+            item_bytes=item_bytes,
+            track_keys=track_keys,
+            copy_up=True,
+        )
+        return self.chain
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Close the store or chain, then fire ``kvsdk_shutdown``; once."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.store is not None:
+                self.store.shutdown()
+            if self.chain is not None:
+                self.chain.close()
+        finally:
+            plugins_manager.plugin_manager().hook.kvsdk_shutdown()

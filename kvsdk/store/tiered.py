@@ -17,33 +17,61 @@ Primitives, in the order an adapter calls them:
 - ``reset()``               nothing stored before it is served after it
 
 Threading: every method runs on the scheduler thread, which owns the host
-index. Slower tiers are called only from the I/O pool, with bytes going to
-and from slots that are reserved (not readable) or pinned (not evictable),
-so the two never race. The scheduler never waits for a slow tier.
+index. The slower tiers (a :class:`~kvsdk.store.chain.TierChain`) are called
+only from the I/O pool, with bytes going to and from slots that are reserved
+(not readable) or pinned (not evictable), so the two never race; what the
+I/O found is booked on the scheduler thread (``step``). The scheduler never
+waits for a slow tier.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
-
-import numpy as np
+from typing import Any
 
 from kvsdk.backend import Backend, HostTier
-from kvsdk.burst_log import BurstLog
 from kvsdk.events import EventKind, EventTracker
 from kvsdk.metrics import Metrics
+from kvsdk.store.chain import TierChain
 from kvsdk.types import ChunkKey, LookupResult
 
 log = logging.getLogger(__name__)
 
-_QUERYING, _PROMOTING, _ABSENT = "querying", "promoting", "absent"
-_T = TypeVar("_T")
+
+class RemoteState(enum.Enum):
+    """What the store knows of a key not readable in host RAM."""
+
+    QUERYING = "querying"
+    """The slower tiers are being asked."""
+    PROMOTING = "promoting"
+    """Being copied from a slower tier into a reserved host slot."""
+    ABSENT = "absent"
+    """No slower tier had it (remembered for ``ABSENT_TTL_S``)."""
+
+
+class IOKind(enum.Enum):
+    """A job on the I/O pool."""
+
+    QUERY = "query"
+    """Which slower tier holds each key."""
+    PROMOTE = "promote"
+    """Slower tier → reserved host slots."""
+    WRITE = "write"
+    """Pinned host entries → every slower tier."""
+    DELETE = "delete"
+    """Drop a tenant's excess from a slower tier."""
+    CLEAR = "clear"
+    """A reset's clear of every slower tier."""
+
+
+_HOLDS_SLOTS = (IOKind.WRITE, IOKind.PROMOTE)
+"""Jobs whose host slots stay reserved or pinned until they end."""
 
 
 @dataclass(frozen=True)
@@ -55,14 +83,14 @@ class StorePlan:
 
 @dataclass
 class _Remote:
-    state: str
+    state: RemoteState
     since: float
     tier: int = -1
 
 
 @dataclass
 class _IO:
-    kind: str  # "query" | "promote" | "write" | "clear"
+    kind: IOKind
     keys: list[ChunkKey]
     future: Future[Any]
     generation: int
@@ -98,10 +126,11 @@ class TieredStore:
         self._to_query: list[ChunkKey] = []
         self._io: list[_IO] = []
         self._generation = 0
-        self._burst = BurstLog(log)
         self._clearing = False
         """A reset's clear of the slower tiers is in flight: they are not asked."""
-        self._corrupt_seen = [0.0] * len(self.tiers)
+        self.chain = TierChain(
+            self.lower, metrics=self.metrics, events=self.events, item_bytes=self._slot_bytes
+        )
         self._store_tenant: dict[ChunkKey, str] = {}
         self._lower_owned: dict[tuple[int, str], OrderedDict[ChunkKey, None]] = {}
         self._lower_capacity: dict[int, int] = {}
@@ -123,23 +152,26 @@ class TieredStore:
             self._misses += 1
             return LookupResult.MISS
         remote = self._remote.get(key)
-        if remote is not None and remote.state == _PROMOTING:
+        if remote is not None and remote.state is RemoteState.PROMOTING:
             self._deferred += 1
             return LookupResult.HIT_PENDING
         if self.host.contains(key):  # a store of it is in flight: not readable yet
             self._misses += 1
             return LookupResult.MISS
         if remote is None or (
-            remote.state == _ABSENT and time.monotonic() - remote.since > self.ABSENT_TTL_S
+            remote.state is RemoteState.ABSENT
+            and time.monotonic() - remote.since > self.ABSENT_TTL_S
         ):
-            self._remote[key] = _Remote(_QUERYING, time.monotonic())
+            self._remote[key] = _Remote(RemoteState.QUERYING, time.monotonic())
             self._to_query.append(key)
             remote = self._remote[key]
-        if remote.state == _ABSENT:
+        if remote.state is RemoteState.ABSENT:
             self._misses += 1
             return LookupResult.MISS
         self._deferred += 1
-        return LookupResult.RETRY if remote.state == _QUERYING else LookupResult.HIT_PENDING
+        if remote.state is RemoteState.QUERYING:
+            return LookupResult.RETRY
+        return LookupResult.HIT_PENDING
 
     def lookup_run(self, keys: Sequence[ChunkKey], start: int, stop: int) -> tuple[int, int]:
         """``lookup`` over ``keys[start:stop]`` until the first MISS:
@@ -247,7 +279,7 @@ class TieredStore:
             self._reap()
             if self._to_query:
                 keys, self._to_query = self._to_query, []
-                self._submit("query", keys, self._query, keys)
+                self._submit(IOKind.QUERY, keys, self.chain.locate, keys)
         self.events.publish()
 
     def flush_metrics(self) -> None:
@@ -262,14 +294,14 @@ class TieredStore:
 
     def _charge_lower(self, t: int, tenant: str, keys: list[ChunkKey]) -> None:
         """A tenant over its share of slower tier ``t`` loses its own oldest chunks there
-        (shares count what this instance wrote; the tier's capacity from its stats)."""
+        (shares count what this instance wrote; the tier's capacity as it declares it)."""
         share = self.tenant_quotas.get(tenant, self.tenant_quotas.get("*"))
         if share is None:
             return
         if t not in self._lower_capacity:
-            cap = self.tiers[t].stats().get("capacity_bytes", 0.0)
+            cap = self.chain.tier(t).capacity_bytes()
             # entries, allowing for each entry's frame and file overhead
-            self._lower_capacity[t] = int(cap // (self._slot_bytes + 256)) if cap else 0
+            self._lower_capacity[t] = cap // (self._slot_bytes + 256) if cap else 0
         capacity = self._lower_capacity[t]
         if not capacity:
             return  # a tier without a byte capacity (e.g. Redis): nothing to share
@@ -280,18 +312,8 @@ class TieredStore:
         excess = len(owned) - max(1, int(share * capacity))
         if excess > 0:
             victims = [owned.popitem(last=False)[0] for _ in range(excess)]
-            self._submit("delete", victims, self.tiers[t].delete, victims)
-            self._record(EventKind.REMOVED, victims, t)
-
-    def _count_corrupt(self, t: int) -> None:
-        """After a failed promotion: integrity failures tier ``t`` counted → metrics."""
-        try:
-            seen = float(self.tiers[t].stats().get("corrupt", 0.0))
-        except Exception:
-            return
-        if seen > self._corrupt_seen[t]:
-            self.metrics.inc("kvsdk_corrupt_chunks_total", seen - self._corrupt_seen[t], tier=t)
-        self._corrupt_seen[t] = seen
+            self._submit(IOKind.DELETE, victims, self.chain.delete, t, victims)
+            self.chain.removed(t, victims)
 
     def has_pending_work(self) -> bool:
         return bool(self._io or self._to_query)
@@ -309,96 +331,33 @@ class TieredStore:
         return True
 
     def _submit(
-        self, kind: str, keys: list[ChunkKey], fn: Callable[..., Any], *args: Any, **extra: Any
+        self, kind: IOKind, keys: list[ChunkKey], fn: Callable[..., Any], *args: Any, **extra: Any
     ) -> None:
         assert self._pool is not None
         fut: Future[Any] = self._pool.submit(fn, *args)
         self._io.append(_IO(kind, keys, fut, self._generation, dict(extra)))
 
-    def _query(self, keys: list[ChunkKey]) -> list[int]:
-        """I/O thread: the first slower tier holding each key (-1: none)."""
-        where = [-1] * len(keys)
-        todo = list(range(len(keys)))
-        for t, tier in enumerate(self.lower, start=1):
-            if not todo:
-                break
-            try:
-                found = self._timed(t, "exists", tier.exists, [keys[i] for i in todo])
-            except Exception as exc:
-                self._backend_failed(t, exc)
-                continue
-            rest = []
-            for i, ok in zip(todo, found):
-                if ok:
-                    where[i] = t
-                else:
-                    rest.append(i)
-            todo = rest
-        return where
-
-    def _promote(self, tier_index: int, keys: list[ChunkKey], slots: list[int]) -> list[bool]:
-        """I/O thread: copy keys from a slower tier into reserved host slots."""
-        tier = self.tiers[tier_index]
+    def _promote(self, t: int, keys: list[ChunkKey], slots: list[int]) -> list[bool]:
+        """I/O thread: copy keys from slower tier ``t`` straight into reserved host slots."""
         slab = self.host.slab.numpy()
-        get_into = getattr(tier, "get_into", None)
-        try:
-            if get_into is not None:  # straight into the slots, no intermediate copy
-                views = [memoryview(slab[s]) for s in slots]
-                return self._timed(tier_index, "get", lambda k: get_into(k, views), keys)
-            values = self._timed(tier_index, "get", tier.get, keys)
-        except Exception as exc:
-            self._backend_failed(tier_index, exc)
-            return [False] * len(keys)
-        out = []
-        for value, slot in zip(values, slots):
-            if value is None or len(value) != slab.shape[1]:
-                out.append(False)
-                continue
-            slab[slot] = np.frombuffer(value, dtype=np.uint8)
-            out.append(True)
-        return out
+        return self.chain.read_into(t, keys, [memoryview(slab[s]) for s in slots])
 
     def _write(self, keys: list[ChunkKey], slots: list[int]) -> dict[int, list[ChunkKey]]:
         """I/O thread: write pinned host entries through to every slower tier;
         returns the keys each tier stored."""
         slab = self.host.slab.numpy()
-        items = [(k, memoryview(slab[s])) for k, s in zip(keys, slots)]
-        stored: dict[int, list[ChunkKey]] = {}
-        for t, tier in enumerate(self.lower, start=1):
-            try:
-                ok = self._timed(t, "put", tier.put, items)
-            except Exception as exc:
-                self._backend_failed(t, exc)
-                continue
-            stored[t] = [k for k, good in zip(keys, ok) if good]
-        return stored
+        return self.chain.write(keys, [memoryview(slab[s]) for s in slots])
 
     def _write_through(self, keys: list[ChunkKey], tenant: str = "") -> None:
         if not keys:
             return
-        writes = sum(1 for io in self._io if io.kind == "write")
+        writes = sum(1 for io in self._io if io.kind is IOKind.WRITE)
         if writes >= self.MAX_WRITES_IN_FLIGHT:
             self.metrics.inc("kvsdk_dropped_writes_total", len(keys), tier=1)
             return
         slots = [self.host.slot_of(k) for k in keys]
         self.host.pin(keys)
-        self._submit("write", keys, self._write, keys, slots, tenant=tenant)
-
-    def _timed(self, tier: int, op: str, fn: Callable[[Any], _T], arg: Any) -> _T:
-        start = time.perf_counter()
-        out = fn(arg)
-        self.metrics.observe("kvsdk_backend_seconds", time.perf_counter() - start, tier=tier, op=op)
-        return out
-
-    def _backend_failed(self, tier: int, exc: BaseException) -> None:
-        self.metrics.inc("kvsdk_backend_errors_total", tier=tier)
-        self._burst.warning(
-            f"tier{tier}",
-            "tier %d (%s) failed, serving misses: %s",
-            tier,
-            type(self.tiers[tier]).__name__,
-            exc,
-        )
+        self._submit(IOKind.WRITE, keys, self._write, keys, slots, tenant=tenant)
 
     def _reap(self) -> None:
         """Scheduler thread: apply every finished I/O job."""
@@ -412,35 +371,31 @@ class TieredStore:
             except Exception as exc:  # a bug in a backend: never crash serving
                 log.exception("kvsdk I/O job failed: %s", exc)
                 result = None
-            if io.kind == "clear":
+            if io.kind is IOKind.CLEAR:
                 if io.generation == self._generation:
                     self._clearing = False
                 continue
-            if io.generation != self._generation and io.kind in ("write", "promote"):
+            if io.generation != self._generation and io.kind in _HOLDS_SLOTS:
                 # issued before a reset: its host entries were kept only for it
-                if io.kind == "write":
+                if io.kind is IOKind.WRITE:
                     self.host.unpin(io.keys)
                     self.host.delete(io.keys)
                 else:
                     self.host.commit(io.keys, False)
                 continue
-            if io.kind == "write":
+            if io.kind is IOKind.WRITE:
                 if io.generation == self._generation:
                     self.host.unpin(io.keys)
                     for t, stored in (result or {}).items():
                         if stored and self.tenant_quotas:
                             self._charge_lower(t, str(io.extra.get("tenant", "")), stored)
-                        if stored:
-                            self.metrics.inc(
-                                "kvsdk_stored_bytes_total", len(stored) * self._slot_bytes, tier=t
-                            )
-                            self._record(EventKind.STORED, stored, t)
+                        self.chain.stored(t, stored)
                 continue
             if io.generation != self._generation:
                 continue  # issued before a reset: its answers are stale
-            if io.kind == "query":
+            if io.kind is IOKind.QUERY:
                 self._apply_query(io.keys, result)
-            elif io.kind == "promote":
+            elif io.kind is IOKind.PROMOTE:
                 self._apply_promote(io, result)
         self._io = pending
 
@@ -452,7 +407,7 @@ class TieredStore:
             if self.host.contains(key):
                 self._remote.pop(key, None)  # stored locally meanwhile
             elif t < 0:
-                self._remote[key] = _Remote(_ABSENT, now)
+                self._remote[key] = _Remote(RemoteState.ABSENT, now)
             else:
                 by_tier.setdefault(t, []).append(key)
         for t, tkeys in by_tier.items():
@@ -460,15 +415,15 @@ class TieredStore:
             if reserved is None:
                 self.metrics.inc("kvsdk_allocation_failures_total")
                 for key in tkeys:
-                    self._remote[key] = _Remote(_ABSENT, now)
+                    self._remote[key] = _Remote(RemoteState.ABSENT, now)
                 continue
             slots, evicted = reserved
             if evicted:
                 self.metrics.inc("kvsdk_evictions_total", len(evicted), tier=0)
                 self._record(EventKind.REMOVED, evicted, 0)
             for key in tkeys:
-                self._remote[key] = _Remote(_PROMOTING, now, t)
-            self._submit("promote", tkeys, self._promote, t, tkeys, slots, tier=t)
+                self._remote[key] = _Remote(RemoteState.PROMOTING, now, t)
+            self._submit(IOKind.PROMOTE, tkeys, self._promote, t, tkeys, slots, tier=t)
 
     def _apply_promote(self, io: _IO, ok: list[bool] | None) -> None:
         ok = ok or [False] * len(io.keys)
@@ -477,13 +432,11 @@ class TieredStore:
         self.host.commit(good, True)
         self.host.commit(bad, False)
         t = int(io.extra["tier"])  # type: ignore[call-overload]
-        if bad:
-            self._count_corrupt(t)
         now = time.monotonic()
         for key in good:
             self._remote.pop(key, None)
         for key in bad:
-            self._remote[key] = _Remote(_ABSENT, now)
+            self._remote[key] = _Remote(RemoteState.ABSENT, now)
         if good:
             self.metrics.inc("kvsdk_loaded_bytes_total", len(good) * self._slot_bytes, tier=t)
             self._record(EventKind.STORED, good, 0)
@@ -498,7 +451,7 @@ class TieredStore:
         reset, and are not asked anything until then."""
         self._reap()
         self._generation += 1
-        busy = [io for io in self._io if io.kind in ("write", "promote")]
+        busy = [io for io in self._io if io.kind in _HOLDS_SLOTS]
         self._remote.clear()
         self._to_query.clear()
         self._lookup_counts.clear()
@@ -508,8 +461,8 @@ class TieredStore:
         self.events.reset()
         if self.lower:
             self._clearing = True
-            prior = [io.future for io in busy if io.kind == "write"]
-            self._submit("clear", [], self._clear_lower, prior)
+            prior = [io.future for io in busy if io.kind is IOKind.WRITE]
+            self._submit(IOKind.CLEAR, [], self._clear_lower, prior)
         for t in range(len(self.tiers)):
             self._record(EventKind.CLEARED, [], t)
 
@@ -517,24 +470,19 @@ class TieredStore:
         """I/O thread: after the writes issued before a reset, clear every slower tier."""
         for f in prior:
             f.exception()
-        for t, tier in enumerate(self.lower, start=1):
-            try:
-                tier.clear()
-            except Exception as exc:
-                self._backend_failed(t, exc)
+        self.chain.clear()
 
     def shutdown(self) -> None:
+        """Finish the I/O in flight, then close every tier. (The lifecycle hooks
+        belong to the store's owner, :class:`kvsdk.store.factory.StoreHandle`.)"""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._reap()
-        for tier in self.tiers:
-            try:
-                tier.close()
-            except Exception as exc:
-                log.warning("closing %s failed: %s", type(tier).__name__, exc)
-        from kvsdk.plugins_manager import plugin_manager
-
-        plugin_manager().hook.kvsdk_shutdown()
+        try:
+            self.host.close()
+        except Exception as exc:
+            log.warning("closing %s failed: %s", type(self.host).__name__, exc)
+        self.chain.close()
 
     def _record(self, kind: EventKind, keys: Sequence[ChunkKey], tier: int) -> None:
         b = self.tiers[tier]

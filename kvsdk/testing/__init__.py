@@ -54,8 +54,13 @@ What the suite pins down:
 - Several threads calling one instance at once get correct answers.
 - ``close()`` may be called twice.
 - ``iter_keys()`` lists exactly the stored keys (when ``supports_listing``).
-- ``get_into`` (when defined) fills right-sized buffers and answers False
-  for a missing key or a buffer of another size.
+- ``get_into`` fills right-sized buffers and answers False for a missing key
+  or a buffer of another size; ``put_parts`` / ``get_into_parts`` move a
+  payload given as parts. Declared capabilities are honest: a backend that
+  sets ``supports_get_into`` / ``supports_scatter_gather`` overrides those
+  methods (the defaults copy).
+- ``capacity_bytes()`` is a positive int or None; ``corrupt_count()`` an int
+  that grows when a corrupt entry is read (checked with raw access).
 - ``persistent=True``: a new instance on the same location, opened after the
   first was closed, sees its entries.
 - ``shared=True``: two live instances see each other's puts, deletes and clears;

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from kvsdk.backend import Buffer
+from kvsdk.backend import Backend, Buffer
 from kvsdk.chunk_format import CorruptChunk, decode_chunk, encode_chunk
 from kvsdk.testing.harness import (
     NAMESPACE_A,
@@ -54,6 +54,9 @@ def check_class_attributes(h: Harness) -> None:
         isinstance(cls.locality, Locality),
         f"{cls.__name__}.locality is {cls.locality!r}; expected a kvsdk.types.Locality",
     )
+    for flag in ("supports_listing", "supports_get_into", "supports_scatter_gather"):
+        value = getattr(cls, flag)
+        require(isinstance(value, bool), f"{cls.__name__}.{flag} is {value!r}; expected a bool")
     if h.shared:
         require(
             cls.locality is not Locality.PROCESS,
@@ -313,7 +316,6 @@ def check_corrupt_entries_are_misses(h: Harness) -> None:
     raw = raw_access(h)
     b = h.fresh()
     value = payload_for("corrupt", 4096)
-    get_into = getattr(b, "get_into", None)
     for i, (what, corrupt) in enumerate(CORRUPTIONS):
         k = key_for("corrupt", i)
         put_all(b, [(k, value)], "a key")
@@ -322,6 +324,7 @@ def check_corrupt_entries_are_misses(h: Harness) -> None:
         assert frame is not None
         bad = corrupt(frame, k, value)
         raw.write_raw(b, k, bad)
+        before = b.corrupt_count()
         got = get_all(b, [k])
         require(
             got == [None],
@@ -331,17 +334,22 @@ def check_corrupt_entries_are_misses(h: Harness) -> None:
             raw.read_raw(b, k) is None,
             f"a stored value with {what} was not deleted after get() rejected it",
         )
-        if get_into is not None:
-            raw.write_raw(b, k, bad)
-            ok = get_into([k], [memoryview(bytearray(len(value)))])
-            require(
-                ok == [False],
-                f"get_into() of a stored value with {what} returned {ok}; expected [False]",
-            )
-            require(
-                raw.read_raw(b, k) is None,
-                f"a stored value with {what} was not deleted after get_into() rejected it",
-            )
+        after = b.corrupt_count()
+        require(
+            isinstance(after, int) and after > before,
+            f"corrupt_count() was {before} before and {after!r} after get() rejected a stored "
+            f"value with {what}; expected it to grow",
+        )
+        raw.write_raw(b, k, bad)
+        ok = b.get_into([k], [memoryview(bytearray(len(value)))])
+        require(
+            ok == [False],
+            f"get_into() of a stored value with {what} returned {ok}; expected [False]",
+        )
+        require(
+            raw.read_raw(b, k) is None,
+            f"a stored value with {what} was not deleted after get_into() rejected it",
+        )
         put_all(b, [(k, value)], f"a key whose stored value had {what}")
         require(
             get_all(b, [k]) == [value], f"a key whose value had {what} could not be stored again"
@@ -415,11 +423,15 @@ def check_listing(h: Harness) -> None:
 
 
 def check_get_into(h: Harness) -> None:
-    """get_into() fills right-sized buffers; a miss or another size is False."""
+    """get_into() (native when supports_get_into) fills right-sized buffers; a
+    miss or another size is False."""
     b = h.fresh()
-    get_into = getattr(b, "get_into", None)
-    if get_into is None:
-        raise CheckSkipped(f"{type(b).__name__} has no get_into()")
+    cls = type(b)
+    require(
+        cls.get_into is not Backend.get_into or not cls.supports_get_into,
+        f"{cls.__name__}.supports_get_into is True but get_into() is the base class's copy",
+    )
+    get_into = b.get_into
     k, k2 = key_for("into"), key_for("into", 1)
     v, v2 = payload_for("into", 4096), payload_for("into", 1000)
     put_all(b, [(k, v), (k2, v2)], "two keys")
@@ -433,6 +445,48 @@ def check_get_into(h: Harness) -> None:
     )
     require(slab[0].tobytes() == v, "get_into() reported True but the buffer holds other bytes")
     require(get_all(b, [k2]) == [v2], "an entry get_into() refused for its size is gone")
+
+
+def check_scatter_gather(h: Harness) -> None:
+    """put_parts() / get_into_parts() (native when supports_scatter_gather) move a
+    payload given as parts; parts of another total size are a miss."""
+    b = h.fresh()
+    cls = type(b)
+    require(
+        not cls.supports_scatter_gather
+        or (cls.put_parts is not Backend.put_parts
+            and cls.get_into_parts is not Backend.get_into_parts),
+        f"{cls.__name__}.supports_scatter_gather is True but put_parts() / get_into_parts() "
+        "are the base class's copies",
+    )  # fmt: skip
+    k, k2 = key_for("parts"), key_for("parts", 1)
+    v = payload_for("parts", 3000)
+    views = [memoryview(v)[:1000], memoryview(v)[1000:1024], memoryview(v)[1024:]]
+    ok = b.put_parts([(k, views), (k2, [memoryview(v)])])
+    require(ok == [True, True], f"put_parts() of two payloads returned {ok}; expected all True")
+    require(get_all(b, [k]) == [v], "get() of a payload stored by put_parts() returned other bytes")
+    out = np.zeros(3000, dtype=np.uint8)
+    parts = [out[:7].data, out[7:2500].data, out[2500:].data]
+    short = [memoryview(bytearray(1000)), memoryview(bytearray(1000))]
+    got = b.get_into_parts([k2, key_for("parts-missing"), k], [parts, short, short])
+    require(
+        got == [True, False, False],
+        f"get_into_parts([stored, missing, stored into 2000 of 3000 bytes]) returned {got}; "
+        "expected [True, False, False]",
+    )
+    require(out.tobytes() == v, "get_into_parts() reported True but the parts hold other bytes")
+
+
+def check_capacity_and_counters(h: Harness) -> None:
+    """capacity_bytes() is a positive int or None; corrupt_count() a non-negative int."""
+    b = h.fresh()
+    cap = b.capacity_bytes()
+    require(
+        cap is None or (isinstance(cap, int) and cap > 0),
+        f"capacity_bytes() is {cap!r}; expected a positive int or None",
+    )
+    n = b.corrupt_count()
+    require(isinstance(n, int) and n >= 0, f"corrupt_count() is {n!r}; expected an int >= 0")
 
 
 def check_persistent(h: Harness) -> None:
@@ -505,6 +559,8 @@ CHECKS: dict[str, Callable[[Harness], None]] = {
     "close_idempotent": check_close_idempotent,
     "listing": check_listing,
     "get_into": check_get_into,
+    "scatter_gather": check_scatter_gather,
+    "capacity_and_counters": check_capacity_and_counters,
     "persistent": check_persistent,
     "shared": check_shared,
 }

@@ -133,6 +133,12 @@ class BackendConformance:
     def test_get_into_fills_right_sized_buffers(self, backend_factory: BackendFactory) -> None:
         self._run("get_into", backend_factory)
 
+    def test_payloads_in_parts_round_trip(self, backend_factory: BackendFactory) -> None:
+        self._run("scatter_gather", backend_factory)
+
+    def test_capacity_and_corrupt_count_are_typed(self, backend_factory: BackendFactory) -> None:
+        self._run("capacity_and_counters", backend_factory)
+
     def test_a_reopened_instance_sees_stored_entries(self, backend_factory: BackendFactory) -> None:
         self._run("persistent", backend_factory)
 

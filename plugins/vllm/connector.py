@@ -36,13 +36,14 @@ from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 from vllm.v1.request import RequestStatus
 
 from kvsdk import plugins_manager
+from kvsdk.backend import SlabRequest
 from kvsdk.config import ConfigError
-from kvsdk.events import EventKind, KVEvent
+from kvsdk.events import EventKind, EventOrigin, KVEvent
 from kvsdk.metrics import COUNTERS
 from kvsdk.plugins.vllm.layout import EngineLayout, engine_layout
 from kvsdk.scheduler import OffloadScheduler, WorkerResult
 from kvsdk.slab import SharedSlab, SlabError
-from kvsdk.store.factory import build_store
+from kvsdk.store.factory import StoreHandle
 from kvsdk.transfer import Direction, GroupLayers, TransferJob, TransferWorker
 from kvsdk.types import Locality
 
@@ -336,12 +337,11 @@ def _recompute_failed_loads(vllm_config: Any) -> None:
 class _SchedulerSide:
     def __init__(self, layout: EngineLayout, vllm_config: Any) -> None:
         self.layout = layout
-        self.store = build_store(
-            layout.config,
+        self.handle = StoreHandle(layout.config)  # starts and stops the store
+        self.store = self.handle.build_store(
             layout.namespace,
             layout.chunk_bytes,
-            slab_name=layout.slab_name,
-            slab_regions=layout.ranks.num_regions,
+            slab=SlabRequest(layout.slab_name, layout.ranks.num_regions),
         )
         self.world_size = max(1, vllm_config.parallel_config.world_size)
         kv_events = getattr(vllm_config, "kv_events_config", None)
@@ -538,11 +538,13 @@ class _SchedulerSide:
             hashes = [  # vLLM's own block hashes, in its external event form
                 maybe_convert_block_hash(BlockHash(h))
                 for h in [
-                    info[2] if info else key
+                    EventOrigin._make(info).block_hash if info else key
                     for key, info in zip(ev.keys, ev.info or [None] * len(ev.keys), strict=True)
                 ]
             ]
-            groups = {info[0] for info in ev.info if info} if ev.info else set()
+            groups = (
+                {EventOrigin._make(info).group for info in ev.info if info} if ev.info else set()
+            )
             group = groups.pop() if len(groups) == 1 else None
             if ev.kind is EventKind.STORED:
                 yield BlockStored(
@@ -583,7 +585,7 @@ class _SchedulerSide:
         self.core.reset()
 
     def shutdown(self) -> None:
-        self.store.shutdown()
+        self.handle.close()
 
 
 class _WorkerSide:

@@ -17,6 +17,7 @@ from kvsdk.backends.cpu import CPUBackend, CPUOptions
 from kvsdk.events import EventKind, EventTracker, KVEvent
 from kvsdk.hooks import hookimpl
 from kvsdk.metrics import SECONDS_BUCKETS, Metrics, start_prometheus_exporter
+from kvsdk.store.factory import plugin_event_sink
 from kvsdk.store.tiered import TieredStore
 from kvsdk.types import Locality, Medium
 
@@ -232,7 +233,7 @@ def register() -> Iterator[Any]:
 
 def test_registered_sink_receives_each_batch_once(register: Any) -> None:
     sink = register(RecordingSink(), "kvsdk-test-sink")
-    t = EventTracker()
+    t = EventTracker(sink=plugin_event_sink())
     record(t, EventKind.STORED, [k(1)])
     record(t, EventKind.REMOVED, [k(1)])
     t.publish()
@@ -248,7 +249,7 @@ def test_registered_sink_receives_each_batch_once(register: Any) -> None:
 
 def test_a_failing_sink_does_not_break_publishing(register: Any) -> None:
     register(BrokenSink(), "kvsdk-test-broken-sink")
-    t = EventTracker()
+    t = EventTracker(sink=plugin_event_sink())
     record(t, EventKind.STORED, [k(1)])
     t.publish()  # logged, not raised
     assert len(t.take_events()) == 1
@@ -257,7 +258,10 @@ def test_a_failing_sink_does_not_break_publishing(register: Any) -> None:
 def test_store_step_publishes_to_registered_sinks(register: Any) -> None:
     sink = register(RecordingSink(), "kvsdk-test-sink")
     ctx = TierContext(namespace_fp=bytes(16), namespace_hex="00" * 16, chunk_bytes=16)
-    store = TieredStore(CPUBackend(CPUOptions(capacity=64, pin_memory="never"), ctx))
+    store = TieredStore(
+        CPUBackend(CPUOptions(capacity=64, pin_memory="never"), ctx),
+        events=EventTracker(sink=plugin_event_sink()),
+    )
     plan = store.prepare_store([k(1)])
     assert plan is not None
     store.complete_store(plan.keys)
@@ -272,7 +276,7 @@ def test_unregistered_sink_receives_nothing() -> None:
     sink = RecordingSink()
     pm.register(sink, name="kvsdk-test-sink")
     pm.unregister(sink)
-    t = EventTracker()
+    t = EventTracker(sink=plugin_event_sink())
     record(t, EventKind.STORED, [k(1)])
     t.publish()
     assert sink.batches == []

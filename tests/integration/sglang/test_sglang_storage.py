@@ -162,25 +162,27 @@ def test_region_by_region_copies_match_the_vectorized_ones(
     rig = kvsdk_rig(make_rig, tmp_path, layout="layer_first", **geometry)
     storage = rig.storage
     storage.tiers[0].__class__ = DiskWithoutScatterGather  # the staging paths
-    assert storage._pool_rows is not None  # SGLang's pools take the vectorized path
+    pool = storage.pool
+    assert pool is not None and pool.rows is not None  # SGLang's pools take the vectorized path
     a, b = rig.hashes(tokens_for(3, rig.page, start=1)), rig.hashes(tokens_for(3, rig.page, 50))
     idx_a, idx_b = rig.fill(3, seed=1), rig.fill(3, seed=2)
     assert storage.batch_set_v1(a, idx_a) == [True] * 3  # vectorized gather
-    rows, storage._pool_rows = storage._pool_rows, None
+    rows, pool.rows = pool.rows, None
     assert storage.batch_set_v1(b, idx_b) == [True] * 3  # region by region
     got = rig.pool.alloc(3 * rig.page)
     assert storage.batch_get_v1(a, got) == [True] * 3  # region by region
     assert rig.pages(got, 3) == rig.pages(idx_a, 3)
-    storage._pool_rows = rows
+    pool.rows = rows
     assert storage.batch_get_v1(b, got) == [True] * 3  # vectorized scatter
     assert rig.pages(got, 3) == rig.pages(idx_b, 3)
-    assert storage._local.staging is not None
+    assert pool.local.staging is not None
 
 
 class DiskWithoutScatterGather(DiskBackend):
     """kvsdk's disk tier with the base class's copying ``put_parts`` /
     ``get_into_parts``: the adapter then stages multi-region pages itself."""
 
+    supports_scatter_gather = False
     put_parts = Backend.put_parts
     get_into_parts = Backend.get_into_parts
 
@@ -202,7 +204,7 @@ def test_multi_region_pages_move_without_staging(
     hit, loaded, idx2 = rig.prefetch(tokens)
     assert hit == loaded == n * rig.page and rig.pages(idx2, n) == rig.pages(idx, n)
     # straight between the host pool's regions and the files: no staging buffer
-    assert getattr(storage._local, "staging", None) is None
+    assert storage.pool is not None and getattr(storage.pool.local, "staging", None) is None
     for key, page in zip(storage.chunk_keys(rig.hashes(tokens)), rig.pages(idx, n)):
         (path,) = [p for p in page_files(tmp_path) if p.name == key.hex() + ".kvc"]
         assert path.read_bytes()[HEADER_SIZE:] == page  # the page's regions, in address order
