@@ -104,3 +104,17 @@ def test_suite_reports_a_backend_that_breaks_the_contract(tmp_path: Path) -> Non
 
     with pytest.raises(AssertionError, match=r"batch_order_and_duplicates: get\(\)"):
         run_backend_conformance(make, persistent=False, shared=False)
+
+
+def test_suite_catches_a_capability_the_backend_does_not_have(tmp_path: Path) -> None:
+    """A tier declaring scatter/gather I/O while keeping the base class's copies fails."""
+
+    class Boasting(DiskBackend):
+        put_parts = Backend.put_parts
+        get_into_parts = Backend.get_into_parts
+
+    def make(ctx: TierContext) -> Backend:
+        return Boasting(DiskOptions(path=str(tmp_path / "boast"), shards=1), ctx)
+
+    with pytest.raises(AssertionError, match=r"scatter_gather: Boasting.supports_scatter_gather"):
+        run_backend_conformance(make, persistent=False, shared=False, checks=["scatter_gather"])

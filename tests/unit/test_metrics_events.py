@@ -304,3 +304,11 @@ def test_built_in_registries_resolve_through_the_hooks() -> None:
     assert "cpu" in plugins_manager.backends()
     assert {"lru", "arc"} <= set(plugins_manager.eviction_policies())
     assert "cpu" in plugins_manager.transfer_workers()
+
+
+def test_a_tracker_without_a_sink_publishes_nowhere(register: Any) -> None:
+    sink = register(RecordingSink(), "kvsdk-test-sink")
+    t = EventTracker()  # no sink injected: the plugins are not called behind its back
+    record(t, EventKind.STORED, [k(1)])
+    t.publish()
+    assert sink.batches == [] and len(t.take_events()) == 1

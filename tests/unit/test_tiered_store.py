@@ -10,9 +10,16 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import pytest
 
+from kvsdk import plugins_manager
 from kvsdk.backend import Backend, BackendError, Buffer, TierContext
 from kvsdk.backends.cpu import CPUBackend, CPUOptions
-from kvsdk.events import EventKind, KVEvent
+from kvsdk.config import load_config
+from kvsdk.events import EventKind, EventTracker, KVEvent
+from kvsdk.hooks import hookimpl
+from kvsdk.keys import Namespace
+from kvsdk.metrics import Metrics
+from kvsdk.store.chain import TierChain
+from kvsdk.store.factory import StoreHandle, build_store
 from kvsdk.store.tiered import TieredStore
 from kvsdk.types import ChunkKey, Locality, LookupResult, Medium
 
@@ -466,3 +473,116 @@ def test_wait_io_returns_when_the_io_finishes_or_the_timeout_passes(
     assert time.perf_counter() - start < 2.0  # back once the query finished
     pump(store)
     assert store.lookup(k(5)) is LookupResult.HIT
+
+
+# -- the tier chain on its own (SGLang's synchronous path) ---------------------------------
+
+
+def new_chain(*tiers: Backend, track_keys: int = 0, copy_up: bool = False) -> TierChain:
+    return TierChain(
+        tiers,
+        metrics=Metrics(),
+        events=EventTracker(),
+        item_bytes=SLOT,
+        track_keys=track_keys,
+        copy_up=copy_up,
+    )
+
+
+def test_chain_locates_each_key_in_the_first_tier_holding_it() -> None:
+    upper, lower = DictBackend(), DictBackend()
+    upper.data[k(1)] = lower.data[k(1)] = payload(1)
+    lower.data[k(2)] = payload(2)
+    chain = new_chain(FailingBackend(), upper, lower)
+    assert chain.locate([k(1), k(2), k(3)]) == [2, 3, -1]
+    assert chain.metrics.counter("kvsdk_backend_errors_total", tier=1) == 1
+
+
+def test_chain_read_through_reads_from_the_first_tier_serving_each_key() -> None:
+    upper, lower = GetFailsBackend(), DictBackend()
+    upper.data[k(1)] = payload(1)
+    lower.data[k(1)] = payload(1)
+    lower.data[k(2)] = payload(2)
+    chain = new_chain(upper, lower)
+    outs = [memoryview(bytearray(SLOT)) for _ in range(3)]
+
+    def read(tier: Backend, t: int, todo: list[int]) -> list[bool]:
+        return chain.read_into(t, [[k(1), k(2), k(3)][i] for i in todo], [outs[i] for i in todo])
+
+    assert chain.read_through([k(1), k(2), k(3)], read) == [2, 2, -1]
+    assert [bytes(o) for o in outs[:2]] == [payload(1), payload(2)]
+    assert chain.metrics.counter("kvsdk_loaded_bytes_total", tier=2) == 2 * SLOT
+    assert chain.metrics.counter("kvsdk_backend_errors_total", tier=1) == 1
+
+
+def test_chain_books_a_key_stored_twice_once_and_a_vanished_key_as_removed() -> None:
+    tier = DictBackend()
+    chain = new_chain(tier, track_keys=16)
+    view = memoryview(payload(1))
+    assert chain.write_through([k(1)], [view]) == [True]
+    assert chain.write_through([k(1)], [view]) == [True]
+    tier.data.clear()  # evicted behind kvsdk's back
+    chain.note_misses([k(1)], chain.locate([k(1)]))
+    kinds = [e.kind for e in chain.events.take_events()]
+    assert kinds == [EventKind.STORED, EventKind.REMOVED]
+    assert chain.metrics.counter("kvsdk_stored_bytes_total", tier=1) == SLOT
+
+
+def test_chain_copies_what_a_lower_tier_served_up_in_the_background() -> None:
+    upper, lower = DictBackend(), DictBackend()
+    chain = new_chain(upper, lower, copy_up=True)
+    chain.copy_up(2, [k(4)], lambda: [memoryview(payload(4))])
+    chain.close()  # waits for the copy
+    assert upper.data == {k(4): payload(4)} and lower.data == {}
+
+
+def test_backend_defaults_copy_and_read_older_stats_keys() -> None:
+    tier = DictBackend()
+    tier.data[k(1)] = payload(1)
+    out = bytearray(SLOT)
+    assert tier.get_into([k(1), k(2)], [memoryview(out), memoryview(bytearray(SLOT))]) == [
+        True,
+        False,
+    ]
+    assert bytes(out) == payload(1)
+    assert not DictBackend.supports_get_into and not DictBackend.supports_scatter_gather
+    assert tier.capacity_bytes() is None and tier.corrupt_count() == 0
+    tier.stats = lambda: {"capacity_bytes": 4096.0, "corrupt": 3.0}  # type: ignore[method-assign]
+    assert tier.capacity_bytes() == 4096 and tier.corrupt_count() == 3
+
+
+# -- one owner starts and stops a store -----------------------------------------------------
+
+
+class LifecycleRecorder:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    @hookimpl
+    def kvsdk_startup(self, config: object) -> None:
+        self.calls.append("startup")
+
+    @hookimpl
+    def kvsdk_shutdown(self) -> None:
+        self.calls.append("shutdown")
+
+
+def test_store_handle_fires_startup_once_and_shutdown_once() -> None:
+    recorder = LifecycleRecorder()
+    pm = plugins_manager.plugin_manager()
+    pm.register(recorder, name="kvsdk-test-lifecycle")
+    try:
+        config = load_config({"chunk_tokens": 16, "tiers": [{"backend": "cpu"}]})
+        handle = StoreHandle(config)
+        ns = Namespace(model="m", dtype="bf16", groups=(), tokens_per_chunk=16)
+        store = handle.build_store(ns, SLOT)
+        assert recorder.calls == ["startup"]
+        store.step()
+        handle.close()
+        handle.close()
+        assert recorder.calls == ["startup", "shutdown"]
+        bare = build_store(config, ns, SLOT)  # no owner: no lifecycle hooks
+        bare.shutdown()
+        assert recorder.calls == ["startup", "shutdown"]
+    finally:
+        pm.unregister(recorder)
