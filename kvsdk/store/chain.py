@@ -24,10 +24,10 @@ With ``track_keys`` the chain remembers (boundedly) which keys each tier
 holds, so a key stored twice is one STORED event and a known key a tier no
 longer serves becomes a REMOVED event.
 
-Synchronous walks (SGLang): ``read_through`` reads each key from the first
-tier that serves it, ``write_through`` writes and books, ``copy_up`` copies
-what a lower tier served into the tiers above it in the background,
-``clear_all`` clears and books.
+Synchronous walks (SGLang): ``lookup`` locates and books, ``read_through``
+reads each key from the first tier that serves it, ``write_through`` writes
+and books, ``copy_up`` copies what a lower tier served into the tiers above
+it in the background, ``clear_all`` clears and books.
 """
 
 from __future__ import annotations
@@ -317,6 +317,21 @@ class TierChain:
             if hits:
                 self.metrics.inc("kvsdk_loaded_bytes_total", len(hits) * self.item_bytes, tier=t)
             todo = [i for i, good in zip(todo, ok) if not good]
+        self.note_misses(keys, where)
+        self.publish()
+        return where
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> list[int]:
+        """:meth:`locate` and book it: lookup hits per tier and misses counted,
+        misses noted (see :meth:`note_misses`)."""
+        where = self.locate(keys)
+        for t in self.numbers:
+            hits = sum(1 for w in where if w == t)
+            if hits:
+                self.metrics.inc("kvsdk_lookup_hits_total", hits, tier=t)
+        misses = sum(1 for w in where if w < 0)
+        if misses:
+            self.metrics.inc("kvsdk_lookup_misses_total", misses)
         self.note_misses(keys, where)
         self.publish()
         return where

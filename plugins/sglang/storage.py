@@ -317,8 +317,7 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         start = time.perf_counter()
         try:
             ckeys = self.chunk_keys(keys)
-            where = self.chain.locate(ckeys)
-            self._count_lookups(ckeys, where)
+            where = self.chain.lookup(ckeys)
             found = {k for k, w in zip(ckeys, where) if w > 0}
             tokens = n * self.geometry.page_tokens
             plan = self._planner.plan(
@@ -420,19 +419,6 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         assert self.pool is not None and self.chain is not None
         where = self.pool.read(self.chain, self._keys(page_hashes), pages)
         return [w > 0 for w in where]
-
-    def _count_lookups(self, ckeys: list[ChunkKey], where: list[int]) -> None:
-        """Lookup counters (hits per tier, misses), then the chain's miss bookkeeping."""
-        assert self.chain is not None
-        for t in self.chain.numbers:
-            hits = sum(1 for w in where if w == t)
-            if hits:
-                self.metrics.inc("kvsdk_lookup_hits_total", hits, tier=t)
-        misses = sum(1 for w in where if w < 0)
-        if misses:
-            self.metrics.inc("kvsdk_lookup_misses_total", misses)
-        self.chain.note_misses(ckeys, where)
-        self.chain.publish()
 
     def _observe(self, direction: str, pages: int, start: float) -> None:
         assert self.geometry is not None
