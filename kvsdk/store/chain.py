@@ -52,7 +52,7 @@ _T = TypeVar("_T")
 _R = TypeVar("_R")
 
 Payload = memoryview | Sequence[memoryview]
-"""A chunk's bytes: one flat view, or the flat views of its parts in order."""
+"""A chunk's bytes: one flat view, or a list (or tuple) of the flat views of its parts."""
 
 ReadFn = Callable[[Backend, int, list[int]], list[bool]]
 """``read(tier, t, indices)``: read the batch's keys at ``indices`` from
@@ -182,7 +182,7 @@ class TierChain:
         each tier took (none where it failed). Payloads given as lists of parts
         go to ``put_parts``."""
         items = list(zip(keys, payloads))
-        in_parts = bool(payloads) and not isinstance(payloads[0], memoryview)
+        in_parts = bool(payloads) and isinstance(payloads[0], (list, tuple))
         stored: dict[int, list[ChunkKey]] = {}
         for t in self.numbers if tiers is None else tiers:
             tier = self.tier(t)
