@@ -8,7 +8,7 @@ stores still reading them in that step instead.
 The model runner is played by the test: it feeds ``ModelRunnerOutput``s as
 a worker would (job completions in ``KVSDKWorkerMetadata``, released
 requests in ``finished_sending``), and in the last test a real kvsdk worker
-side (``_WorkerSide``) produces them, copying the blocks into the engine's
+side (``WorkerSide``) produces them, copying the blocks into the engine's
 shared-memory slab. The scheduler side creates that slab in /dev/shm; every
 test shuts the scheduler down and checks the segment is gone.
 """
@@ -42,12 +42,9 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 import kvsdk.plugins.vllm
-from kvsdk.plugins.vllm.connector import (
-    KVSDKConnector,
-    KVSDKConnectorMetadata,
-    KVSDKWorkerMetadata,
-    _WorkerSide,
-)
+from kvsdk.plugins.vllm.connector import KVSDKConnector
+from kvsdk.plugins.vllm.messages import KVSDKConnectorMetadata, KVSDKWorkerMetadata
+from kvsdk.plugins.vllm.worker_side import WorkerSide
 from kvsdk.slab import SHM_DIR, segment_name
 from kvsdk.transfer import Direction, TransferJob, TransferResult, TransferWorker
 from kvsdk.transfer.cpu import CPUTransferWorker
@@ -502,7 +499,7 @@ class Worker:
     """One vLLM worker process's connector calls, in the model runner's order."""
 
     def __init__(self, e: Engine) -> None:
-        self.side = _WorkerSide(e.connector.layout, pp_rank=0, tp_rank=0)
+        self.side = WorkerSide(e.connector.layout, pp_rank=0, tp_rank=0)
         self.xfer = GatedStores()
         self.side._workers = {"cpu": lambda: self.xfer}
         gen = torch.Generator().manual_seed(0)

@@ -1,0 +1,320 @@
+"""The connector's scheduler side: vLLM's requests, blocks and step outputs
+translated to kvsdk's :class:`~kvsdk.scheduler.OffloadScheduler`, and its
+events and stats translated back."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+from vllm.v1.request import RequestStatus
+
+from kvsdk import plugins_manager
+from kvsdk.backend import SlabRequest
+from kvsdk.config import ConfigError
+from kvsdk.events import EventKind, EventOrigin, KVEvent
+from kvsdk.plugins.vllm.layout import EngineLayout
+from kvsdk.plugins.vllm.messages import (
+    KVSDKConnectorMetadata,
+    KVSDKConnectorStats,
+    KVSDKHandshake,
+    KVSDKWorkerMetadata,
+    machine_id,
+)
+from kvsdk.scheduler import OffloadScheduler, WorkerResult
+from kvsdk.store.factory import StoreHandle
+from kvsdk.types import Locality
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.kvsdk")  # shown by vLLM's own log handler
+
+IDLE_IO_WAIT_SECONDS = 0.002
+"""Longest a step with nothing scheduled waits for kvsdk's tier I/O (a request
+arriving meanwhile is scheduled at most this much later)."""
+
+
+def _has_event_sinks() -> bool:
+    """Whether any installed plugin implements the ``kvsdk_publish_events`` hook."""
+    return bool(plugins_manager.plugin_manager().hook.kvsdk_publish_events.get_hookimpls())
+
+
+def _computed_at_finish(req: Request) -> int:
+    """Tokens of a finished request whose KV the engine computed."""
+    if req.status is RequestStatus.FINISHED_ABORTED:
+        return int(req.num_computed_tokens)
+    return max(req.num_prompt_tokens, req.num_tokens - 1)  # the last sampled token has none
+
+
+def recompute_failed_loads(vllm_config: Any) -> None:
+    """A cache that fails to load is a miss: vLLM must recompute, not fail the
+    request. vLLM reads this policy right after building the connector."""
+    ktc = vllm_config.kv_transfer_config
+    if ktc.kv_load_failure_policy != "recompute":
+        log.warning(
+            "kvsdk: kv_load_failure_policy %r -> 'recompute' (a failed load from a cache "
+            "is a miss; the request is recomputed, never failed)",
+            ktc.kv_load_failure_policy,
+        )
+        ktc.kv_load_failure_policy = "recompute"
+
+
+class SchedulerSide:
+    def __init__(self, layout: EngineLayout, vllm_config: Any) -> None:
+        self.layout = layout
+        self.handle = StoreHandle(layout.config)  # starts and stops the store
+        self.store = self.handle.build_store(
+            layout.namespace,
+            layout.chunk_bytes,
+            slab=SlabRequest(layout.slab_name, layout.ranks.num_regions),
+        )
+        self.world_size = max(1, vllm_config.parallel_config.world_size)
+        kv_events = getattr(vllm_config, "kv_events_config", None)
+        if not (kv_events and kv_events.enable_kv_cache_events) and not _has_event_sinks():
+            self.store.events.enabled = False  # nobody would read them: skip the bookkeeping
+        self.core = OffloadScheduler(
+            layout.groups,
+            layout.namespace,
+            self.store,
+            tokens_per_hash=layout.tokens_per_hash,
+            max_load_tokens=layout.config.max_load_tokens,
+            num_workers=self.world_size,
+            # model runner V2 zeroes new blocks and applies copy-on-write
+            # before handle_preemptions: a flushed store may read rewritten bytes
+            blocks_rewritten_before_flush=bool(getattr(vllm_config, "use_v2_model_runner", False)),
+        )
+        self.requests: dict[str, Request] = {}
+        m = self.store.metrics
+        self._transfer_hists = [
+            (
+                m.histogram("kvsdk_transfer_seconds", direction=d),
+                m.histogram("kvsdk_transfer_bytes", direction=d),
+            )
+            for d in ("load", "store")
+        ]
+        self._reported: dict[str, float] = {}
+        self._reported_version = -1
+        self.preemptions = 0
+        self._held: set[str] = set()
+        """Finished requests whose blocks vLLM keeps until their stores land."""
+        self._releasing: set[str] = set()
+        """Held requests handed to the workers to release, not yet freed by vLLM."""
+        log.info(
+            "kvsdk: KV groups %s, chunk %d tokens / %d B (%d rank region(s)), host tier %s "
+            "slots in shared memory %s",
+            ",".join(g.kind.value for g in layout.groups),
+            layout.config.chunk_tokens,
+            layout.chunk_bytes,
+            layout.ranks.num_regions,
+            self.store.host.num_slots,
+            layout.slab_name,
+        )
+
+    def check_workers(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Start-up: every worker attached to this engine's slab, on this machine."""
+        here = machine_id()
+        ranks = self.layout.ranks
+        for (pp_rank, tp_rank), hs in sorted(metadata.items()):
+            if not isinstance(hs, KVSDKHandshake):
+                continue
+            if hs.machine != here:
+                raise ConfigError(
+                    f"vLLM worker pp={pp_rank} tp={tp_rank} runs on another machine than the "
+                    "scheduler: workers on other machines are not supported by kvsdk yet"
+                )
+            if hs.error:
+                raise ConfigError(f"vLLM worker pp={pp_rank} tp={tp_rank}: {hs.error}")
+            if hs.region != ranks.region_index(pp_rank, tp_rank):
+                raise ConfigError(
+                    f"vLLM worker pp={pp_rank} tp={tp_rank} took region {hs.region}, expected "
+                    f"{ranks.region_index(pp_rank, tp_rank)}"
+                )
+        log.info("kvsdk: %d worker(s) attached to %s", len(metadata), self.layout.slab_name)
+        attached = sum(isinstance(hs, KVSDKHandshake) for hs in metadata.values())
+        if attached == self.world_size:
+            self.store.host.seal()  # no process attaches any more: nothing can leak now
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        rid = request.request_id
+        if not self.core.has_request(rid):
+            self.core.add_request(
+                rid,
+                num_prompt_tokens=request.num_prompt_tokens,
+                block_hashes=request.block_hashes,
+                tenant=request.cache_salt or "",
+            )
+        else:  # e.g. preempted and waiting again, having grown
+            self.core.hashes_grew(rid, request.block_hashes)
+        self.requests[rid] = request
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False
+        hit = self.core.lookup(rid, num_computed_tokens, num_tokens=request.num_tokens)
+        return hit, bool(hit)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens:
+            self.core.allocated(request.request_id, blocks.get_block_ids(), num_external_tokens)
+        # else: nothing to load; the request is scheduled this step, and its
+        # blocks reach the core through build_connector_meta (new requests
+        # carry their full block lists)
+
+    def build_connector_meta(self, so: SchedulerOutput) -> KVSDKConnectorMetadata:
+        new_blocks: dict[str, Sequence[Sequence[int]]] = {}
+        resumed = set()
+        for data in so.scheduled_new_reqs:
+            new_blocks[data.req_id] = data.block_ids
+            resumed.add(data.req_id)  # its full block list: replace
+        cached = so.scheduled_cached_reqs
+        for rid, ids in zip(cached.req_ids, cached.new_block_ids):
+            if ids is not None:
+                new_blocks[rid] = ids
+        resumed.update(cached.resumed_req_ids)
+        computed: dict[str, int] = {}
+        requests, due = self.requests, self.core.store_due
+        for rid, n in so.num_scheduled_tokens.items():
+            req = requests.get(rid)
+            if req is None:
+                continue
+            upto = req.num_computed_tokens + n
+            if upto >= due.get(rid, upto + 1):  # only requests that may complete a chunk
+                computed[rid] = upto if upto < req.num_tokens else req.num_tokens
+                self.core.hashes_grew(rid, req.block_hashes)
+        finished: dict[str, int] = {}
+        for rid in so.finished_req_ids or ():
+            req = self.requests.pop(rid, None)
+            if req is not None:
+                finished[rid] = _computed_at_finish(req)
+        copies = [c.dst_block_id for c in (so.kv_cache_block_copies or ())]
+        self.preemptions += len(so.preempted_req_ids or ())
+        jobs = self.core.build_step(
+            computed_after_step=computed,
+            new_block_ids=new_blocks,
+            replace_block_ids=resumed,
+            preempted=so.preempted_req_ids or (),
+            finished=finished,
+            reallocated_block_ids=copies,
+        )
+        if not so.num_scheduled_tokens and self.store.has_pending_work():
+            # nothing to compute but tier I/O (lookups waiting on a promotion,
+            # writes draining): sleep on it briefly rather than spin empty steps
+            self.store.wait_io(IDLE_IO_WAIT_SECONDS)
+        job_request = self.core.job_request
+        loads = {j.job_id: (job_request(j.job_id), j) for j in jobs.loads}
+        release: frozenset[str] = frozenset()
+        if self._held and finished:
+            # their last stores are in this step
+            release = frozenset(self._held.intersection(finished))
+            self._held -= release
+            self._releasing |= release
+        return KVSDKConnectorMetadata(
+            loads=loads,
+            stores=list(jobs.stores),
+            store_requests=[job_request(j.job_id) for j in jobs.stores],
+            flush=jobs.flush,
+            release=release,
+        )
+
+    def update_connector_output(self, out: KVConnectorOutput) -> None:
+        if self._releasing and out.finished_sending:
+            self._releasing -= out.finished_sending
+        meta = out.kv_connector_worker_meta
+        if not isinstance(meta, KVSDKWorkerMetadata):
+            return
+        results = [WorkerResult(j, True, n) for j, n in meta.completed.items()]
+        results += [WorkerResult(j, False, n) for j, n in meta.failed.items()]
+        self.core.worker_results(results)
+        for (secs_hist, bytes_hist), nbytes, secs in (
+            (self._transfer_hists[0], meta.load_bytes, meta.load_seconds),
+            (self._transfer_hists[1], meta.store_bytes, meta.store_seconds),
+        ):
+            if nbytes:
+                secs_hist.observe(secs)
+                bytes_hist.observe(nbytes)
+        if meta.load_bytes:
+            self.store.metrics.inc("kvsdk_loaded_bytes_total", meta.load_bytes, tier=0)
+
+    def request_finished(self, request: Request) -> bool:
+        """True: vLLM keeps the request's blocks until a later step's
+        ``release`` (its stores read them; freed blocks may be zeroed or
+        rewritten before a flush could run)."""
+        rid = request.request_id
+        self.requests[rid] = request
+        self.core.hashes_grew(rid, request.block_hashes)
+        if not self.core.request_finished(rid, _computed_at_finish(request)):
+            return False
+        self._held.add(rid)
+        return True
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        events = self.core.take_events()
+        return self._vllm_events(events) if events else ()
+
+    def _vllm_events(self, events: list[KVEvent]) -> Iterator[KVCacheEvent]:
+        for ev in events:
+            medium = ev.medium.value.upper()
+            locality = "REMOTE" if ev.locality is Locality.CLUSTER else "LOCAL"
+            if ev.kind is EventKind.CLEARED:
+                yield AllBlocksCleared()
+                continue
+            hashes = [  # vLLM's own block hashes, in its external event form
+                maybe_convert_block_hash(BlockHash(h))
+                for h in [
+                    EventOrigin._make(info).block_hash if info else key
+                    for key, info in zip(ev.keys, ev.info or [None] * len(ev.keys), strict=True)
+                ]
+            ]
+            groups = (
+                {EventOrigin._make(info).group for info in ev.info if info} if ev.info else set()
+            )
+            group = groups.pop() if len(groups) == 1 else None
+            if ev.kind is EventKind.STORED:
+                yield BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=self.layout.config.chunk_tokens,
+                    lora_id=None,
+                    medium=medium,
+                    lora_name=None,
+                    group_idx=group,
+                    locality=locality,
+                )
+            else:
+                yield BlockRemoved(
+                    block_hashes=hashes, medium=medium, group_idx=group, locality=locality
+                )
+
+    def stats(self) -> KVSDKConnectorStats | None:
+        self.store.flush_metrics()
+        m = self.store.metrics
+        if m.counter_version == self._reported_version:
+            return None
+        self._reported_version = m.counter_version
+        now = m.counters()
+        delta = {
+            k: v - self._reported.get(k, 0.0)
+            for k, v in now.items()
+            if v != self._reported.get(k, 0.0)
+        }
+        self._reported = now
+        return KVSDKConnectorStats(data=delta) if delta else None
+
+    def has_pending_work(self) -> bool:
+        return bool(self._held or self._releasing) or self.core.has_pending_work()
+
+    def reset(self) -> None:
+        self.core.reset()
+
+    def shutdown(self) -> None:
+        self.handle.close()
