@@ -1,0 +1,496 @@
+"""The engine-agnostic scheduler side of an offloading connector.
+
+An adapter translates its engine's calls into these, in this order per step:
+
+1. ``add_request`` when the engine first sees a request;
+2. ``lookup(req_id, num_computed_tokens)`` → tokens loadable from kvsdk
+   (``None``: ask again next step);
+3. ``allocated(req_id, block_ids, num_external_tokens)`` once the engine
+   allocated blocks for the hit → a load job for this step;
+4. ``build_step(...)`` with the step's scheduled / preempted / finished
+   requests and newly allocated blocks → the step's jobs (loads, stores and
+   ids to flush) for the transfer workers;
+5. ``worker_results(...)`` with what the workers finished → failed loads'
+   engine blocks, so the engine recomputes them;
+6. ``request_finished`` when the engine is done with a request.
+
+All inputs are plain data: request ids, engine block hashes, block ids per
+KV group, token counts. Keys come from the engine's block hashes (one per
+``tokens_per_hash`` tokens) or, if it has none, from the token ids.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvsdk.events import KVEvent
+from kvsdk.keys import Namespace, chunk_keys, token_chunk_hashes
+from kvsdk.ledger import JobLedger
+from kvsdk.metrics import Metrics
+from kvsdk.planner import LookupPlanner, PlanRequest
+from kvsdk.scheduler.request import RequestState, chunks_to_store, load_copies, store_copies
+from kvsdk.store.tiered import TieredStore
+from kvsdk.transfer import BlockCopies, Direction, TransferJob
+from kvsdk.types import ChunkKey, KVGroupSpec, ReqId
+
+DECODE_STORE_CHUNKS = 4
+"""Chunks completed by generated tokens are stored this many at a time, and
+the rest when the request finishes: one store job for several chunks costs the
+scheduler about what one for a single chunk does, and the next turn of a
+conversation comes after the request finished. Prompt chunks, which concurrent
+requests share, are stored as soon as they are computed. (A preempted
+request's blocks are freed at once, so its deferred chunks are recomputed on
+resume, like any chunk of a preempted request that was not stored yet.)"""
+
+
+@dataclass(frozen=True)
+class StepJobs:
+    loads: tuple[TransferJob, ...]
+    stores: tuple[TransferJob, ...]
+    flush: frozenset[int]
+    """Jobs the workers must finish before this step's loads and forward pass
+    (their source blocks are about to be overwritten)."""
+
+
+class WorkerResult(NamedTuple):
+    job_id: int
+    ok: bool = True
+    workers: int = 1
+    """How many workers this report stands for."""
+
+
+class OffloadScheduler:
+    def __init__(
+        self,
+        groups: Sequence[KVGroupSpec],
+        namespace: Namespace,
+        store: TieredStore,
+        *,
+        tokens_per_hash: int | None = None,
+        num_workers: int = 1,
+        max_load_tokens: int | None = None,
+        metrics: Metrics | None = None,
+        blocks_rewritten_before_flush: bool = False,
+    ) -> None:
+        """``blocks_rewritten_before_flush``: the engine may zero or overwrite a
+        reallocated block before its workers flush the stores reading it (vLLM's
+        model runner V2 zeroes new blocks and applies copy-on-write first): a
+        store caught by a flush is then discarded, never trusted."""
+        self.groups = tuple(groups)
+        self.namespace = namespace
+        self.ns_fp = namespace.fingerprint
+        self.store = store
+        self.metrics = metrics or store.metrics
+        self.tokens_per_hash = tokens_per_hash or self.groups[0].tokens_per_block
+        for g in self.groups:
+            if g.tokens_per_chunk % self.tokens_per_hash:
+                raise ValueError(
+                    f"group {g.index}: chunk of {g.tokens_per_chunk} tokens is not a multiple "
+                    f"of the hash block ({self.tokens_per_hash} tokens)"
+                )
+        self._chunk_tokens = [g.tokens_per_chunk for g in self.groups]
+        self._min_chunk_tokens = min(self._chunk_tokens)
+        self.planner = LookupPlanner(self.groups, tokens_per_hash=self.tokens_per_hash)
+        self.ledger = JobLedger(num_workers)
+        self.max_load_tokens = max_load_tokens
+        self.blocks_rewritten_before_flush = blocks_rewritten_before_flush
+        self._requests: dict[ReqId, RequestState] = {}
+        self._being_loaded: dict[ChunkKey, int] = {}
+        """Chunks that loads in flight copy out of, with how many loads do."""
+        self._step_loads: list[TransferJob] = []
+        self._load_blocks: dict[int, frozenset[int]] = {}
+        """Engine blocks each load job writes (reported back if the load fails)."""
+        self._loading_requests: set[ReqId] = set()
+        self._awaiting_final_store: set[ReqId] = set()
+        self.store_due: dict[ReqId, int] = {}
+        """Per running request, the token count at which its next store is built
+        (inside the prompt: the next chunk's end; past it, ``DECODE_STORE_CHUNKS``
+        chunks later). An adapter may leave requests below it out of
+        ``computed_after_step`` (most requests on most steps): read-only."""
+        self._sync_delay = self.metrics.histogram("kvsdk_lookup_delay_seconds", kind="sync")
+        self._sync_delays: list[float] = []
+        self._hit_tokens = 0
+        """Planner times and promised tokens not yet in the metrics (flushed once per step)."""
+
+    # -- requests ---------------------------------------------------------------------
+    def add_request(
+        self,
+        req_id: ReqId,
+        *,
+        num_prompt_tokens: int,
+        block_hashes: Sequence[bytes] | None = None,
+        token_ids: Sequence[int] | None = None,
+        tenant: str = "",
+    ) -> None:
+        """``block_hashes`` (the engine's hash of each full block so far; copied,
+        see :meth:`hashes_grew`) or ``token_ids`` (kvsdk hashes them) identify
+        the content."""
+        if block_hashes is None:
+            if token_ids is None:
+                raise ValueError("add_request needs block_hashes or token_ids")
+            block_hashes = token_chunk_hashes(token_ids, self.tokens_per_hash)
+        r = self._requests[req_id] = RequestState(
+            req_id=req_id,
+            num_prompt_tokens=num_prompt_tokens,
+            num_tokens=num_prompt_tokens,
+            hashes=list(block_hashes),
+            block_ids=[[] for _ in self.groups],
+            keys=[[] for _ in self.groups],
+            next_store_chunk=[0] * len(self.groups),
+            tenant=tenant,
+        )
+        self._set_next_store(r)
+
+    def hashes_grew(self, req_id: ReqId, block_hashes: Sequence[bytes]) -> None:
+        """The engine hashed more full blocks of a request (``block_hashes``: all
+        of them so far, of which kvsdk copies the ones it lacks). Call before a
+        lookup, a step that may store its chunks, and its finish."""
+        r = self._requests.get(req_id)
+        if r is not None and len(block_hashes) > len(r.hashes):
+            r.hashes.extend(block_hashes[len(r.hashes) :])
+
+    def _refresh_keys(self, r: RequestState) -> None:
+        n_hash = len(r.hashes)
+        events = self.store.events
+        for gi, g in enumerate(self.groups):
+            per = g.tokens_per_chunk // self.tokens_per_hash
+            keys = r.keys[gi]
+            first = len(keys)
+            if first >= n_hash // per:
+                continue
+            hashes = r.hashes[first * per + per - 1 : (n_hash // per) * per : per]
+            keys.extend(chunk_keys(self.ns_fp, hashes, g.index))
+            if events.enabled:  # events name chunks by the engine's hashes
+                for c, h in enumerate(hashes, first):
+                    events.annotate(keys[c], (g.index, c, h))
+
+    def _set_next_store(self, r: RequestState) -> None:
+        tpcs = self._chunk_tokens
+        if len(tpcs) == 1:
+            r.next_store_at = (r.next_store_chunk[0] + 1) * tpcs[0]
+        else:
+            r.next_store_at = min((c + 1) * t for c, t in zip(r.next_store_chunk, tpcs))
+        due = r.next_store_at
+        if due > r.num_prompt_tokens:  # generated tokens: store them in batches
+            due += (DECODE_STORE_CHUNKS - 1) * self._min_chunk_tokens
+        self.store_due[r.req_id] = due
+
+    def has_request(self, req_id: ReqId) -> bool:
+        return req_id in self._requests
+
+    # -- lookup -------------------------------------------------------------------------
+    def lookup(
+        self,
+        req_id: ReqId,
+        num_computed_tokens: int,
+        *,
+        num_tokens: int | None = None,
+        max_num_new_tokens: int | None = None,
+    ) -> int | None:
+        """Tokens beyond ``num_computed_tokens`` that can be loaded; None: ask again."""
+        r = self._requests[req_id]
+        if num_tokens is not None:
+            r.num_tokens = num_tokens
+        for ids in r.block_ids:
+            ids.clear()
+        if self.ledger.has_jobs(req_id):
+            return None  # its stores must land before anything is loaded into it
+        self._refresh_keys(r)
+        r.num_computed_local = num_computed_tokens
+        start = time.perf_counter()
+        plan = self.planner.plan(
+            PlanRequest(
+                req_id=req_id,
+                num_tokens=r.num_tokens,
+                num_prompt_tokens=r.num_prompt_tokens,
+                num_computed_tokens=num_computed_tokens,
+                group_keys=r.keys,
+                max_load_tokens=self.max_load_tokens,
+            ),
+            self.store.lookup,
+            max_num_new_tokens=max_num_new_tokens,
+            being_loaded=self._being_loaded,
+            lookup_run=self.store.lookup_run,
+        )
+        now = time.perf_counter()
+        self._sync_delays.append(now - start)
+        if plan is None:
+            if r.deferred_since is None:
+                r.deferred_since = start
+            return None
+        if r.deferred_since is not None:
+            self.metrics.observe("kvsdk_lookup_delay_seconds", now - r.deferred_since, kind="async")
+            r.deferred_since = None
+        self._hit_tokens += plan.num_hit_tokens
+        return plan.num_hit_tokens
+
+    # -- loads ----------------------------------------------------------------------------
+    def allocated(
+        self, req_id: ReqId, block_ids: Sequence[Sequence[int]], num_external_tokens: int
+    ) -> None:
+        """The engine allocated blocks (per group, the request's full list) for
+        ``num_external_tokens`` promised by ``lookup``: queue their load."""
+        r = self._requests[req_id]
+        for gi, ids in enumerate(block_ids):
+            r.block_ids[gi] = list(ids)
+            self.ledger.blocks_allocated(ids)
+        if num_external_tokens == 0:
+            return
+        end = r.num_computed_local + num_external_tokens
+        keys, per_group = load_copies(r, self.groups, end)
+        slots = dict(zip(keys, self.store.prepare_load(keys)))
+        copies = tuple(
+            BlockCopies(
+                group=self.groups[gi].index,
+                engine_blocks=eb,
+                slots=[slots[r.keys[gi][c]] for c in chunks],
+                offsets=offs,
+            )
+            for gi, eb, chunks, offs in per_group
+        )
+        job_id = self.ledger.add_load(req_id, keys)
+        self._loading_requests.add(req_id)
+        self._step_loads.append(TransferJob(job_id, Direction.LOAD, copies))
+        self._load_blocks[job_id] = frozenset(b for _, eb, _, _ in per_group for b in eb)
+        for k in keys:
+            self._being_loaded[k] = self._being_loaded.get(k, 0) + 1
+        for gi, g in enumerate(self.groups):  # loaded chunks need no store
+            r.next_store_chunk[gi] = max(r.next_store_chunk[gi], end // g.tokens_per_chunk)
+        self._set_next_store(r)
+
+    # -- the step ---------------------------------------------------------------------------
+    def build_step(
+        self,
+        *,
+        computed_after_step: Mapping[ReqId, int],
+        new_block_ids: Mapping[ReqId, Sequence[Sequence[int]]] = {},
+        replace_block_ids: Iterable[ReqId] = (),
+        preempted: Iterable[ReqId] = (),
+        finished: Mapping[ReqId, int] = {},
+        reallocated_block_ids: Iterable[int] = (),
+    ) -> StepJobs:
+        """Close a scheduler step.
+
+        ``computed_after_step``: for each scheduled request, tokens whose KV
+        will be in the engine after this step; ``new_block_ids``: blocks
+        appended this step (per group), or the full lists for requests in
+        ``replace_block_ids`` (new and resumed requests); ``finished``: requests finished in
+        the previous step → tokens of theirs safe to store (the engine's
+        commit point); ``reallocated_block_ids``: other blocks written this
+        step (e.g. copy-on-write destinations).
+        """
+        replace = set(replace_block_ids)
+        for req_id, groups in new_block_ids.items():
+            r = self._requests.get(req_id)
+            for gi, ids in enumerate(groups):
+                if r is not None:
+                    if req_id in replace:
+                        r.block_ids[gi] = list(ids)
+                    else:
+                        r.block_ids[gi].extend(ids)
+                self.ledger.blocks_allocated(ids)
+        self.ledger.blocks_allocated(reallocated_block_ids)
+        for req_id in preempted:
+            self.ledger.request_preempted(req_id)
+            r = self._requests.get(req_id)
+            if r is not None:
+                for ids in r.block_ids:
+                    ids.clear()
+        for req_id in finished:
+            self.ledger.request_finished(req_id)
+        self.ledger.collect_fence_flushes()
+        candidates: dict[str, list[tuple[RequestState, list[Sequence[int]], list[ChunkKey]]]] = {}
+        requests = self._requests
+        store_due = self.store_due
+        for req_id, upto in computed_after_step.items():
+            # most steps complete no new chunk for most requests: one comparison
+            if upto >= store_due.get(req_id, upto + 1):
+                r = requests[req_id]
+                if (found := self._store_candidates(r, upto)) is not None:
+                    candidates.setdefault(r.tenant, []).append((r, *found))
+        for req_id, upto in finished.items():
+            r = requests.get(req_id)
+            if (
+                r is not None
+                and upto >= r.next_store_at
+                and (found := self._store_candidates(r, upto)) is not None
+            ):
+                candidates.setdefault(r.tenant, []).append((r, *found))
+        stores = [job for tenant, cs in candidates.items() for job in self._store_jobs(tenant, cs)]
+        self._flush_metrics()
+        for req_id in finished:
+            self._finish(req_id)
+        loads, self._step_loads = tuple(self._step_loads), []
+        flush = frozenset(self.ledger.end_step())
+        if flush and self.blocks_rewritten_before_flush:
+            self.ledger.distrust(flush)
+        self.store.step()
+        return StepJobs(loads, tuple(stores), flush)
+
+    def _flush_metrics(self) -> None:
+        if self._hit_tokens:
+            self.metrics.inc("kvsdk_hit_tokens_total", self._hit_tokens)
+            self._hit_tokens = 0
+        if self._sync_delays:
+            self._sync_delay.observe_many(self._sync_delays)
+            self._sync_delays.clear()
+
+    def _store_candidates(
+        self, r: RequestState, upto: int
+    ) -> tuple[list[Sequence[int]], list[ChunkKey]] | None:
+        """Chunks of ``r`` complete at ``upto`` tokens and not offered yet:
+        per group the chunk indices, and their keys."""
+        if r.req_id in self._loading_requests:
+            return None  # stores wait until the request's load landed
+        self._refresh_keys(r)
+        found = chunks_to_store(r, self.groups, upto)
+        self._set_next_store(r)
+        return found
+
+    def _store_jobs(
+        self, tenant: str, found: list[tuple[RequestState, list[Sequence[int]], list[ChunkKey]]]
+    ) -> list[TransferJob]:
+        """One tier reservation for the step's candidates (one per request
+        if the tier cannot take them all at once), then a job per request."""
+        plan = self.store.prepare_store([k for _, _, keys in found for k in keys], tenant)
+        if plan is None and len(found) > 1:
+            jobs = []
+            for item in found:
+                jobs += self._store_jobs(tenant, [item])
+            return jobs
+        if plan is None or not plan.keys:
+            return []
+        slot_of = dict(zip(plan.keys, plan.slots))
+        jobs = []
+        for r, chosen, _ in found:
+            job = self._store_job(r, chosen, slot_of)
+            if job is not None:
+                jobs.append(job)
+        return jobs
+
+    def _store_job(
+        self, r: RequestState, chosen: list[Sequence[int]], slot_of: dict[ChunkKey, int]
+    ) -> TransferJob | None:
+        """``r``'s store job for the chunks that got a slot (None: none did)."""
+        found = store_copies(r, self.groups, chosen, slot_of)
+        if found is None:
+            return None
+        job_id = self.ledger.add_store(
+            r.req_id,
+            found.keys,
+            fenced_block_ids=found.fenced,
+            deferred_fence_block_ids=found.deferred,
+        )
+        return TransferJob(job_id, Direction.STORE, found.copies)
+
+    # -- completions ----------------------------------------------------------------------------
+    def worker_results(self, results: Iterable[WorkerResult]) -> set[int]:
+        """Apply worker reports; returns engine block ids of failed loads."""
+        failed_blocks: set[int] = set()
+        stored_ok: list[ChunkKey] = []
+        stored_failed: list[ChunkKey] = []
+        for res in results:
+            job = self.ledger.complete(res.job_id, res.workers, failed=not res.ok)
+            if job is None:
+                continue
+            if job.is_store:
+                (stored_failed if job.failed else stored_ok).extend(job.keys)
+                if job.failed:
+                    self.metrics.inc("kvsdk_failed_jobs_total", direction="store")
+            else:
+                blocks = self._load_blocks.pop(job.job_id)
+                self._loading_requests.discard(job.req_id)
+                self.store.complete_load(job.keys)
+                for k in job.keys:
+                    n = self._being_loaded.get(k, 0) - 1
+                    if n > 0:
+                        self._being_loaded[k] = n
+                    else:
+                        self._being_loaded.pop(k, None)
+                if job.failed:
+                    self.metrics.inc("kvsdk_failed_jobs_total", direction="load")
+                    failed_blocks |= blocks
+                    # never offer chunks that just failed to load again: they are misses now
+                    self.store.discard(job.keys)
+            r = self._requests.get(job.req_id)
+            if r is not None and r.finished and not self.ledger.has_jobs(job.req_id):
+                del self._requests[job.req_id]  # (its store_due entry went at _finish)
+        # one tier update for all the finished stores
+        if stored_failed:
+            self.store.complete_store(stored_failed, ok=False)
+        if stored_ok:
+            self.store.complete_store(stored_ok, ok=True)
+        return failed_blocks
+
+    def request_finished(self, req_id: ReqId, num_tokens: int | None = None) -> bool:
+        """The engine is done with the request. Remaining chunks (up to
+        ``num_tokens``, the tokens whose KV it computed) are stored by the next
+        ``build_step`` via ``finished``. Returns whether the request's blocks
+        must stay allocated until its stores land: stores are in flight, or
+        its last chunks are stored next step (blocks freed now could be
+        reallocated, zeroed or overwritten before a store reads them)."""
+        r = self._requests.get(req_id)
+        if r is None:
+            return False
+        r.engine_finished = True
+        self._awaiting_final_store.add(req_id)
+        if r.deferred_since is not None:
+            self.metrics.observe(
+                "kvsdk_lookup_delay_seconds", time.perf_counter() - r.deferred_since, kind="async"
+            )
+            r.deferred_since = None
+        final_store_due = (
+            num_tokens is not None
+            and num_tokens >= r.next_store_at
+            and req_id not in self._loading_requests
+        )
+        return final_store_due or self.ledger.has_store_jobs(req_id)
+
+    def _finish(self, req_id: ReqId) -> None:
+        self._awaiting_final_store.discard(req_id)
+        self.store_due.pop(req_id, None)  # it stores nothing more
+        self.ledger.forget(req_id)
+        r = self._requests.get(req_id)
+        if r is None:
+            return
+        r.finished = True
+        if not self.ledger.has_jobs(req_id):
+            del self._requests[req_id]
+
+    # -- housekeeping ---------------------------------------------------------------------------
+    def job_request(self, job_id: int) -> ReqId:
+        return self.ledger.job(job_id).req_id
+
+    def has_pending_work(self) -> bool:
+        return (
+            self.ledger.num_jobs > 0
+            or bool(self._awaiting_final_store)
+            or self.store.has_pending_work()
+        )
+
+    def reset(self) -> frozenset[int]:
+        """Forget every stored chunk and in-flight job; returns ids to flush."""
+        flush = self.ledger.reset()
+        # finished requests store nothing more: their KV predates the reset
+        for req_id in [rid for rid, r in self._requests.items() if r.finished or r.engine_finished]:
+            del self._requests[req_id]
+            self.store_due.pop(req_id, None)
+        self._awaiting_final_store.clear()
+        for r in self._requests.values():
+            r.next_store_chunk = [0] * len(self.groups)
+            self._set_next_store(r)
+        # loads still in flight keep their slots pinned until they complete
+        self._being_loaded.clear()
+        self._load_blocks.clear()
+        self._loading_requests.clear()
+        self.store.reset()
+        return frozenset(flush)
+
+    def take_events(self) -> list[KVEvent]:
+        return self.store.events.take_events()
+
+    def num_tracked_requests(self) -> int:
+        return len(self._requests)

@@ -1,0 +1,134 @@
+"""One request as the scheduler tracks it, and the pure chunk arithmetic on it:
+which chunks a step may store, and the block copies of a store or a load."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvsdk.transfer import BlockCopies
+from kvsdk.types import ChunkKey, GroupKind, KVGroupSpec, ReqId, cdiv
+
+
+@dataclass
+class RequestState:
+    req_id: ReqId
+    num_prompt_tokens: int
+    num_tokens: int
+    hashes: list[bytes]
+    """One chain hash per ``tokens_per_hash`` tokens (kvsdk's copy of the engine's)."""
+    block_ids: list[list[int]]
+    keys: list[list[ChunkKey]]
+    next_store_chunk: list[int]
+    next_store_at: int = 0
+    """Token count at which some group completes a chunk it has not stored yet."""
+    num_computed_local: int = 0
+    deferred_since: float | None = None
+    tenant: str = ""
+    finished: bool = False
+    """Its final stores were built (``build_step`` saw it in ``finished``)."""
+    engine_finished: bool = False
+    """The engine reported it finished; its final stores come next step."""
+
+
+class StoreCopies(NamedTuple):
+    keys: list[ChunkKey]
+    copies: tuple[BlockCopies, ...]
+    fenced: list[int]
+    """Engine blocks to flush before they are rewritten (e.g. sliding window)."""
+    deferred: list[int]
+    """Full-attention blocks: flushed only when reallocated."""
+
+
+class LoadCopies(NamedTuple):
+    keys: list[ChunkKey]
+    """Chunks the load reads, once each."""
+    per_group: list[tuple[int, list[int], list[int], list[int]]]
+    """Per group: ``(group position, engine blocks, chunk of each, offset in it)``."""
+
+
+def chunks_to_store(
+    r: RequestState, groups: Sequence[KVGroupSpec], upto: int
+) -> tuple[list[Sequence[int]], list[ChunkKey]] | None:
+    """Chunks of ``r`` complete at ``upto`` tokens and not offered yet: per
+    group the chunk indices, and their keys (None: nothing). Marks them offered."""
+    chosen: list[Sequence[int]] = []
+    keys: list[ChunkKey] = []
+    for gi, g in enumerate(groups):
+        bpc = g.blocks_per_chunk
+        ids = r.block_ids[gi]
+        gkeys = r.keys[gi]
+        first = r.next_store_chunk[gi]
+        stop = min(upto // g.tokens_per_chunk, len(gkeys), len(ids) // bpc)
+        if first >= stop:
+            chosen.append(())
+            continue
+        if bpc == 1 and 0 not in ids[first:stop]:  # a 0 is a skipped (null) block
+            cs: Sequence[int] = range(first, stop)
+            keys.extend(gkeys[first:stop])
+        else:
+            cs = [c for c in range(first, stop) if all(ids[c * bpc : (c + 1) * bpc])]
+            keys.extend(gkeys[c] for c in cs)
+        chosen.append(cs)
+        r.next_store_chunk[gi] = stop
+    return (chosen, keys) if keys else None
+
+
+def store_copies(
+    r: RequestState,
+    groups: Sequence[KVGroupSpec],
+    chosen: list[Sequence[int]],
+    slot_of: dict[ChunkKey, int],
+) -> StoreCopies | None:
+    """The copies of ``r``'s chosen chunks that got a slot. Each slot is
+    claimed (popped from ``slot_of``) once: two requests holding the same new
+    chunk never write it twice."""
+    fenced: list[int] = []
+    deferred: list[int] = []
+    copies = []
+    keys: list[ChunkKey] = []
+    take = slot_of.pop
+    for gi, g in enumerate(groups):
+        bpc = g.blocks_per_chunk
+        ids = r.block_ids[gi]
+        gkeys = r.keys[gi]
+        stored = [(c, slot) for c in chosen[gi] if (slot := take(gkeys[c], None)) is not None]
+        if not stored:
+            continue
+        keys.extend(gkeys[c] for c, _ in stored)
+        if bpc == 1:
+            eb = [ids[c] for c, _ in stored]
+            slots = [slot for _, slot in stored]
+            offs = [0] * len(eb)
+        else:
+            eb = [b for c, _ in stored for b in ids[c * bpc : (c + 1) * bpc]]
+            slots = [slot for _, slot in stored for _ in range(bpc)]
+            offs = list(range(bpc)) * len(stored)
+        (deferred if g.kind is GroupKind.FULL_ATTENTION else fenced).extend(eb)
+        copies.append(BlockCopies(g.index, eb, slots, offs))
+    return StoreCopies(keys, tuple(copies), fenced, deferred) if keys else None
+
+
+def load_copies(r: RequestState, groups: Sequence[KVGroupSpec], end: int) -> LoadCopies:
+    """The engine blocks each group needs filled to continue at ``end`` tokens
+    from ``r.num_computed_local`` (null blocks skipped), and their chunks."""
+    keys: list[ChunkKey] = []
+    per_group: list[tuple[int, list[int], list[int], list[int]]] = []
+    for gi, g in enumerate(groups):
+        tpb, bpc = g.tokens_per_block, g.blocks_per_chunk
+        first_block = cdiv(r.num_computed_local, tpb)
+        needed = g.needed_chunks(r.num_computed_local, end)
+        first_block = max(first_block, needed.start * bpc)
+        eb, chunks, offs = [], [], []
+        for b in range(first_block, cdiv(end, tpb)):
+            bid = r.block_ids[gi][b]
+            if bid == 0:
+                continue
+            eb.append(bid)
+            chunks.append(b // bpc)
+            offs.append(b % bpc)
+        for c in dict.fromkeys(chunks):
+            keys.append(r.keys[gi][c])
+        per_group.append((gi, eb, chunks, offs))
+    return LoadCopies(keys, per_group)
