@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvsdk.events import KVEvent
+from kvsdk.events import EventOrigin, KVEvent
 from kvsdk.keys import Namespace, chunk_keys, token_chunk_hashes
 from kvsdk.ledger import JobLedger
 from kvsdk.metrics import Metrics
@@ -165,7 +165,7 @@ class OffloadScheduler:
             keys.extend(chunk_keys(self.ns_fp, hashes, g.index))
             if events.enabled:  # events name chunks by the engine's hashes
                 for c, h in enumerate(hashes, first):
-                    events.annotate(keys[c], (g.index, c, h))
+                    events.annotate(keys[c], EventOrigin(g.index, c, h))
 
     def _set_next_store(self, r: RequestState) -> None:
         tpcs = self._chunk_tokens

@@ -15,7 +15,7 @@ from vllm.v1.request import RequestStatus
 from kvsdk import plugins_manager
 from kvsdk.backend import SlabRequest
 from kvsdk.config import ConfigError
-from kvsdk.events import EventKind, EventOrigin, KVEvent
+from kvsdk.events import EventKind, KVEvent
 from kvsdk.plugins.vllm.layout import EngineLayout
 from kvsdk.plugins.vllm.messages import (
     KVSDKConnectorMetadata,
@@ -270,13 +270,11 @@ class SchedulerSide:
             hashes = [  # vLLM's own block hashes, in its external event form
                 maybe_convert_block_hash(BlockHash(h))
                 for h in [
-                    EventOrigin._make(info).block_hash if info else key
+                    info.block_hash if info else key
                     for key, info in zip(ev.keys, ev.info or [None] * len(ev.keys), strict=True)
                 ]
             ]
-            groups = (
-                {EventOrigin._make(info).group for info in ev.info if info} if ev.info else set()
-            )
+            groups = {info.group for info in ev.info if info} if ev.info else set()
             group = groups.pop() if len(groups) == 1 else None
             if ev.kind is EventKind.STORED:
                 yield BlockStored(
