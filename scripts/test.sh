@@ -8,7 +8,7 @@ if compgen -G "tests/integration/vllm/test_*.py" >/dev/null; then want=vllm; fi
 scripts/setup.sh $want
 scripts/install_sglang.sh   # separate venv: SGLang's pins clash with vLLM's
 V=.venv/bin
-echo "== ruff";  $V/ruff check kvsdk backends plugins tests benchmarks
+echo "== ruff";  $V/ruff check kvsdk tests benchmarks
 echo "== mypy";  $V/mypy
 echo "== pytest"
 set +e

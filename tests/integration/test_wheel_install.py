@@ -20,9 +20,9 @@ import pytest
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("pyproject.toml", "README.md", "kvsdk", "backends", "plugins")
-"""What the wheel is built from (``[tool.setuptools] package-dir`` maps the folders)."""
-PACKAGE_DIRS = {"kvsdk": "kvsdk", "backends": "kvsdk/backends", "plugins": "kvsdk/plugins"}
+SOURCES = ("pyproject.toml", "README.md", "kvsdk")
+"""What the wheel is built from."""
+PACKAGE_DIRS = {"kvsdk": "kvsdk"}
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,10 @@ class Violation:
 
 
 def package_dirs(root: Path) -> dict[str, Path]:
-    """``package -> folder`` as the build maps them (pyproject's ``package-dir``)."""
+    """``package -> folder`` as the build maps them (pyproject's ``package-dir``,
+    or each package in the folder of its name)."""
     conf = tomllib.loads((root / "pyproject.toml").read_text())
-    mapping = conf["tool"]["setuptools"]["package-dir"]
+    mapping = conf.get("tool", {}).get("setuptools", {}).get("package-dir", {"kvsdk": "kvsdk"})
     return {pkg: root / folder for pkg, folder in mapping.items()}
 
 
@@ -139,11 +140,7 @@ def test_the_tree_keeps_the_import_rules() -> None:
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
-    (tmp_path / "pyproject.toml").write_text(
-        "[tool.setuptools]\n"
-        'package-dir = { "kvsdk" = "kvsdk", "kvsdk.backends" = "backends", '
-        '"kvsdk.plugins" = "plugins" }\n'
-    )
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "kvsdk"\n')
     for rel, text in files.items():
         path = tmp_path / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -163,12 +160,12 @@ def test_each_rule_catches_its_violation(tmp_path: Path) -> None:
                 "from kvsdk.backends import cpu\n"
             ),
             "kvsdk/lazy.py": "import importlib\nimportlib.import_module('kvsdk.plugins.sglang')\n",
-            "backends/__init__.py": "",
-            "backends/disk.py": "from kvsdk.plugins.vllm.layout import x\n",
-            "plugins/__init__.py": "",
-            "plugins/vllm/__init__.py": "from ..sglang import storage\n",
-            "plugins/sglang/__init__.py": "def f():\n    import vllm\n",
-            "plugins/sglang/storage.py": "from kvsdk.backends import disk\nimport sglang\n",
+            "kvsdk/backends/__init__.py": "",
+            "kvsdk/backends/disk.py": "from kvsdk.plugins.vllm.layout import x\n",
+            "kvsdk/plugins/__init__.py": "",
+            "kvsdk/plugins/vllm/__init__.py": "from ..sglang import storage\n",
+            "kvsdk/plugins/sglang/__init__.py": "def f():\n    import vllm\n",
+            "kvsdk/plugins/sglang/storage.py": "from kvsdk.backends import disk\nimport sglang\n",
         },
     )
     found = {(v.module, v.imported) for v in check(root)}

@@ -18,14 +18,22 @@ from kvsdk.commands import CommandRegistry
 from kvsdk.config import KVSDKConfig, load_config
 from kvsdk.hooks import hookimpl
 
-_SERVE_MODEL = {
-    "hidden_size": 512,
-    "num_layers": 8,
-    "num_heads": 8,
-    "num_kv_heads": 4,
-    "max_position_embeddings": 8192,
-}
-"""The tiny Llama ``bench serve`` runs (the demo builds the same shape itself)."""
+
+def _serve_model(model_dir: str) -> str:
+    """The tiny Llama ``bench serve`` runs (the demo builds the same shape itself)."""
+    from kvsdk.plugins.vllm.workloads.tiny_model import make_tiny_llama
+
+    return str(
+        make_tiny_llama(
+            model_dir,
+            seed=0,
+            hidden_size=512,
+            num_layers=8,
+            num_heads=8,
+            num_kv_heads=4,
+            max_position_embeddings=8192,
+        )
+    )
 
 
 def _have_vllm() -> bool:
@@ -79,9 +87,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
     if _vllm_missing("bench serve"):
         return 2
     from kvsdk.plugins.vllm.workloads import bench_serve
-    from kvsdk.plugins.vllm.workloads.tiny_model import make_tiny_llama
 
-    model = str(make_tiny_llama(args.model_dir, seed=0, **_SERVE_MODEL))
+    model = _serve_model(args.model_dir)
     result = bench_serve.run_bench(
         model,
         Path(args.out),
