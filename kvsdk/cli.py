@@ -27,7 +27,7 @@ def _config_check(args: argparse.Namespace) -> int:
         return 2
     tiers = ", ".join(t.backend for t in cfg.tiers)
     print(
-        f"{args.file}: OK (tiers: {tiers}; chunk_tokens={cfg.chunk_tokens}; "
+        f"{args.file}: OK (tiers: {tiers}; chunk_tokens={cfg.chunk_tokens or 'engine block size'}; "
         f"eviction={cfg.eviction})"
     )
     return 0

@@ -116,8 +116,12 @@ class EventsConfig:
 @dataclass(frozen=True)
 class KVSDKConfig:
     tiers: tuple[TierConfig, ...] = ()
-    chunk_tokens: int = 256
-    """Offload unit in tokens; must be a multiple of the engine's block size."""
+    chunk_tokens: int | None = None
+    """Offload unit in tokens: a multiple of the engine's block size, or unset
+    (the default) for the engine's block size, so a hit is as fine-grained as
+    the engine's own prefix cache. A larger unit means fewer, larger entries on
+    disk and in Redis, at the cost of up to ``chunk_tokens - 1`` prompt tokens
+    recomputed that the engine's block size would have served."""
     eviction: str = "lru"
     """Eviction policy of the tiers that evict locally: ``lru``, ``arc`` or a plugin's."""
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -335,8 +339,11 @@ def _check(
 ) -> None:
     from kvsdk.backend import HostTier
 
-    if cfg.chunk_tokens <= 0:
-        raise ConfigError(f"chunk_tokens: got {cfg.chunk_tokens}; expected a positive integer")
+    if cfg.chunk_tokens is not None and cfg.chunk_tokens <= 0:
+        raise ConfigError(
+            f"chunk_tokens: got {cfg.chunk_tokens}; expected a positive integer "
+            "(or leave it unset for the engine's block size)"
+        )
     policies = plugins_manager.eviction_policies()
     if cfg.eviction not in policies:
         raise ConfigError(

@@ -268,7 +268,7 @@ def test_defaults_from_none_empty_yaml_and_empty_mapping_agree() -> None:
 
 def test_defaults() -> None:
     cfg = load_config(None)
-    assert cfg.chunk_tokens == 256
+    assert cfg.chunk_tokens is None  # the engine's block size
     assert cfg.eviction == "lru"
     assert cfg.transfer == "auto"
     assert cfg.admission.min_lookups == 0

@@ -79,10 +79,10 @@ def load_engine_config(extra: dict[str, Any]) -> KVSDKConfig:
     if where not in _logged_sources:
         _logged_sources.add(where)
         log.info(
-            "kvsdk config from %s: tiers=%s chunk_tokens=%d",
+            "kvsdk config from %s: tiers=%s chunk_tokens=%s",
             where,
             [t.backend for t in cfg.tiers],
-            cfg.chunk_tokens,
+            cfg.chunk_tokens or "the engine's block size",
         )
     return cfg
 
@@ -194,12 +194,12 @@ def engine_layout(vllm_config: Any, kv_cache_config: Any, *, pp_rank: int = 0) -
     for gi, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         bs = spec.block_size
-        if cfg.chunk_tokens % bs:
+        if cfg.chunk_tokens is not None and cfg.chunk_tokens % bs:
             raise ConfigError(
                 f"chunk_tokens: got {cfg.chunk_tokens}; expected a multiple of the engine's "
-                f"block size {bs} (KV group {gi})"
+                f"block size {bs} (KV group {gi}), or unset for the block size"
             )
-        bpc = cfg.chunk_tokens // bs
+        bpc = 1 if cfg.chunk_tokens is None else cfg.chunk_tokens // bs
         if isinstance(spec, SlidingWindowSpec):
             kind, window = GroupKind.SLIDING_WINDOW, spec.sliding_window
         elif isinstance(spec, MambaSpec):
@@ -243,7 +243,7 @@ def engine_layout(vllm_config: Any, kv_cache_config: Any, *, pp_rank: int = 0) -
         model=model_id,
         dtype=str(model_cfg.dtype),
         groups=tuple(layouts),
-        tokens_per_chunk=cfg.chunk_tokens,
+        tokens_per_chunk=groups[0].tokens_per_chunk,  # as resolved (unset: the block size)
         rank=0,  # a chunk holds every rank's part (RankLayout)
         world_size=ranks.tp_size * ranks.pp_size,
         tenant_salt=cfg.tenant,

@@ -110,7 +110,7 @@ class SchedulerSide:
             "kvsdk: KV groups %s, chunk %d tokens / %d B (%d rank region(s)), host tier %s "
             "slots in shared memory %s",
             ",".join(g.kind.value for g in layout.groups),
-            layout.config.chunk_tokens,
+            layout.groups[0].tokens_per_chunk,
             layout.chunk_bytes,
             layout.ranks.num_regions,
             self.store.host.num_slots,
@@ -281,7 +281,7 @@ class SchedulerSide:
                     block_hashes=hashes,
                     parent_block_hash=None,
                     token_ids=[],
-                    block_size=self.layout.config.chunk_tokens,
+                    block_size=self.layout.groups[0].tokens_per_chunk,
                     lora_id=None,
                     medium=medium,
                     lora_name=None,
