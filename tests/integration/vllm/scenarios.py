@@ -29,9 +29,10 @@ KVSDK_CONFIG: dict[str, Any] = {
 rng = random.Random(1)
 P = [rng.randrange(3, 32000) for _ in range(200)]
 Q = P[:100] + [rng.randrange(3, 32000) for _ in range(60)]
-D = [rng.randrange(3, 32000) for _ in range(520)]
-"""For the defaults: vLLM-CPU's 128-token blocks and kvsdk's 256-token chunks
-both stop at token 512 of it, so kvsdk's hit and vLLM's own cover the same tokens."""
+D = [rng.randrange(3, 32000) for _ in range(700)]
+"""For the defaults: vLLM-CPU's 128-token blocks stop at token 640 of it, and so
+does kvsdk's default chunk (the engine's block size; a 256-token chunk would
+stop at 512)."""
 
 
 def make_llm(
