@@ -72,7 +72,8 @@ class TierContext:
     """What a backend learns about its place when it is built."""
 
     namespace_fp: bytes
-    """16-byte namespace fingerprint: prefix keys with it, check it on read."""
+    """16-byte public namespace fingerprint (:attr:`kvsdk.keys.Namespace.public_fp`):
+    prefix keys with it, check it on read."""
     namespace_hex: str
     chunk_bytes: int
     """Largest payload one chunk can have (for slot sizing)."""
@@ -84,6 +85,10 @@ class TierContext:
     (None: a private one)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Anything else an embedding passes to third-party backends."""
+    frame_key: bytes | None = field(default=None, repr=False)
+    """The namespace's frame MAC key when a deployment secret is set
+    (:mod:`kvsdk.trust`): pass it as ``mac_key`` to every frame encode and
+    decode. Never log it."""
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,11 @@ class KVSDKConfig:
     the engine's own prefix cache. A larger unit means fewer, larger entries on
     disk and in Redis, at the cost of up to ``chunk_tokens - 1`` prompt tokens
     recomputed that the engine's block size would have served."""
+    prompt_tail: bool = False
+    """Store a prompt's last, partial chunk as an entry of its own, so a repeated
+    prompt is served to its end and the engine recomputes one token instead of
+    up to a block (full-attention models; prompts named by token ids alone).
+    Outputs then equal the engine's own one-token recompute, not a longer one's."""
     eviction: str = "lru"
     """Eviction policy of the tiers that evict locally: ``lru``, ``arc`` or a plugin's."""
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -141,6 +146,10 @@ class KVSDKConfig:
     tenants without ``"*"``: no limit."""
     model_id: str | None = None
     """Overrides the model identity the adapter derives (e.g. a weights digest)."""
+    secret_file: str | None = None
+    """File holding the deployment secret (owner-only, mode 0600) that authenticates
+    frames and keys in shared tiers; or set ``KVSDK_SECRET`` (not both). See
+    docs/security.md."""
     io_threads: int = 4
     """Threads that talk to the slower tiers (the scheduler never waits on them)."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -231,7 +240,7 @@ def _build(cls: type, data: Any, path: str, skip: tuple[str, ...] = ()) -> Any:
         if key in skip:
             continue
         if not isinstance(key, str) or key not in fields:
-            raise _unknown_key(prefix, str(key), list(fields))
+            raise _unknown_key(prefix, str(key), [*fields, *skip])
         kwargs[key] = _coerce(value, hints[key], prefix + key, fields[key].metadata)
     for name, f in fields.items():
         no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING

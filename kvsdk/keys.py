@@ -6,11 +6,22 @@ Everything here is deterministic across processes, machines and
 - :class:`Namespace` fingerprints what makes KV bytes interchangeable: model
   identity, dtype, per-group KV layout, chunk size, parallel rank and size,
   kvsdk's format version and an optional tenant salt. Two engines share
-  chunks exactly when their fingerprints are equal.
+  chunks exactly when their fingerprints are equal (and their deployment
+  secrets, when one is set).
+- Three values come out of a namespace. ``public_fp`` names it where others
+  can see: the tiers' directory and key prefix, every frame header.
+  ``fingerprint`` is the key-derivation key of its chunk keys. ``frame_key``
+  (only with a deployment secret) is the MAC key of its frames. Without a
+  secret, ``public_fp == fingerprint`` and anyone can compute both; with one
+  (:mod:`kvsdk.trust`), each is derived from the secret, so nobody without it
+  can name the namespace, compute a key or forge a frame. Never log
+  ``fingerprint`` or ``frame_key``.
 - :func:`token_chunk_hashes` chains 32-byte hashes over token ids, one per
   chunk; each hash covers the whole prefix up to that chunk's last token.
 - :func:`chunk_key` turns a chain hash (ours or an engine's own block hash)
-  and a KV group index into the 16-byte key the tiers store under.
+  and a KV group index into the 16-byte key the tiers store under: a keyed
+  BLAKE2b (a PRF) of the whole hash under ``fingerprint``, so keys reveal
+  nothing about the prompt without the key-derivation key.
 """
 
 from __future__ import annotations
@@ -18,15 +29,18 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from functools import lru_cache
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property, lru_cache
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvsdk.types import ChunkKey
 
-FORMAT_VERSION = 2
+if TYPE_CHECKING:
+    from kvsdk.trust import DeploymentSecret
+
+FORMAT_VERSION = 3
 """Bump when the meaning of stored bytes changes: old entries become misses."""
 
 KEY_BYTES = 16
@@ -55,31 +69,51 @@ class Namespace:
     format_version: int = FORMAT_VERSION
     tenant_salt: str = ""
     extra: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    secret: DeploymentSecret | None = field(default=None, repr=False, compare=False)
+    """The deployment secret (:mod:`kvsdk.trust`); not part of the canonical bytes."""
 
     def canonical_bytes(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        fields = asdict(self)
+        del fields["secret"]
+        return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
-    @property
-    def fingerprint(self) -> bytes:
-        """16 bytes; stored in every chunk header and used as the key-derivation key."""
+    @cached_property
+    def _unkeyed_fp(self) -> bytes:
         return hashlib.blake2b(self.canonical_bytes(), digest_size=16, person=b"kvsdk-ns").digest()
+
+    @cached_property
+    def public_fp(self) -> bytes:
+        """16 bytes naming the namespace in the tiers (directory, key prefix, frame
+        headers): public; unpredictable without the secret when one is set."""
+        if self.secret is None:
+            return self._unkeyed_fp
+        return self.secret.derive(b"kvsdk-ns-name", self.canonical_bytes())[:16]
+
+    @cached_property
+    def fingerprint(self) -> bytes:
+        """16 bytes: the key-derivation key of this namespace's chunk keys
+        (equal to ``public_fp`` without a secret; secret with one: never log it)."""
+        if self.secret is None:
+            return self._unkeyed_fp
+        return self.secret.derive(b"kvsdk-ns-keys", self.canonical_bytes())[:16]
+
+    @cached_property
+    def frame_key(self) -> bytes | None:
+        """The MAC key of this namespace's frames (None without a secret)."""
+        if self.secret is None:
+            return None
+        return self.secret.derive(b"kvsdk-frame-mac", self.public_fp)
 
     @property
     def hex(self) -> str:
-        return self.fingerprint.hex()
+        """``public_fp`` in hex: the namespace's name in directories, prefixes and reports."""
+        return self.public_fp.hex()
 
     def with_tenant(self, salt: str) -> Namespace:
-        return Namespace(
-            model=self.model,
-            dtype=self.dtype,
-            groups=self.groups,
-            tokens_per_chunk=self.tokens_per_chunk,
-            rank=self.rank,
-            world_size=self.world_size,
-            format_version=self.format_version,
-            tenant_salt=salt,
-            extra=self.extra,
-        )
+        return replace(self, tenant_salt=salt)
+
+    def with_secret(self, secret: DeploymentSecret | None) -> Namespace:
+        return replace(self, secret=secret)
 
 
 ROOT_HASH = bytes(CHAIN_HASH_BYTES)
@@ -124,30 +158,19 @@ def _keyed(namespace_fp: bytes, group_index: int) -> Any:
     return h
 
 
-@lru_cache(maxsize=64)
-def key_mask(namespace_fp: bytes, group_index: int) -> int:
-    """The 128-bit mask that scopes chain hashes to one namespace and group:
-    a keyed BLAKE2b of the group index under the namespace fingerprint."""
-    return int.from_bytes(_keyed(namespace_fp, group_index).digest(), "little")
-
-
 def chunk_key(namespace_fp: bytes, chain_hash: bytes, group_index: int) -> ChunkKey:
     """The 16-byte key of one chunk of one KV group.
 
-    ``chain_hash`` may be kvsdk's own (:func:`token_chunk_hashes`) or an
-    engine-provided block hash (vLLM's, SGLang's). A hash of 16 bytes or more
-    is already a collision-resistant digest of the whole prefix, so its first
-    16 bytes are XORed with the namespace's mask (:func:`key_mask`): two
-    namespaces share a key only if two chain hashes differ by exactly the XOR
-    of their masks, as hard as a 128-bit collision, at a third of the cost of
-    hashing again (it runs for every chunk on the scheduler thread). Shorter
-    hashes go through the keyed BLAKE2b.
+    ``namespace_fp`` is the namespace's key-derivation key
+    (:attr:`Namespace.fingerprint`). ``chain_hash`` may be kvsdk's own
+    (:func:`token_chunk_hashes`) or an engine-provided block hash (vLLM's,
+    SGLang's), of any length. The key is a keyed BLAKE2b of the group index
+    and the whole hash: a pseudo-random function, so a stored key does not
+    reveal the mask of an XOR (one known prompt and a directory listing would
+    give every key away) and two namespaces never share a key. ~0.4 us per key.
+    A colliding engine hash still collides here: engines whose prefix hash
+    is not collision resistant are refused before a shared tier is used.
     """
-    if len(chain_hash) >= KEY_BYTES:
-        mask = key_mask(namespace_fp, group_index)
-        return (int.from_bytes(chain_hash[:KEY_BYTES], "little") ^ mask).to_bytes(
-            KEY_BYTES, "little"
-        )
     h = _keyed(namespace_fp, group_index).copy()
     h.update(chain_hash)
     return h.digest()  # type: ignore[no-any-return]
@@ -156,12 +179,11 @@ def chunk_key(namespace_fp: bytes, chain_hash: bytes, group_index: int) -> Chunk
 def chunk_keys(
     namespace_fp: bytes, chain_hashes: Sequence[bytes], group_index: int
 ) -> list[ChunkKey]:
-    """``chunk_key`` of each hash (the mask is looked up once)."""
-    mask = key_mask(namespace_fp, group_index)
-    frm = int.from_bytes
-    return [
-        (frm(h[:KEY_BYTES], "little") ^ mask).to_bytes(KEY_BYTES, "little")
-        if len(h) >= KEY_BYTES
-        else chunk_key(namespace_fp, h, group_index)
-        for h in chain_hashes
-    ]
+    """``chunk_key`` of each hash (the keyed hasher is set up once)."""
+    base = _keyed(namespace_fp, group_index)
+    out: list[ChunkKey] = []
+    for chain_hash in chain_hashes:
+        h = base.copy()
+        h.update(chain_hash)
+        out.append(h.digest())
+    return out

@@ -3,6 +3,18 @@
 Layout: ``<path>/<namespace_hex>/<shard>/<key_hex>.kvc``, each file one
 :mod:`kvsdk.chunk_format` frame. Directories are created ``0700``, files ``0600``.
 
+Files are untrusted (see ``docs/security.md``). At start the tier refuses a
+``path`` that is not this user's or that others can write to, and a
+namespace or shard directory that is a symlink, not this user's, or open to
+group or others. Every read opens with ``O_NOFOLLOW | O_NONBLOCK`` (a planted
+symlink fails to open, a FIFO opens without blocking), checks with ``fstat``
+that it is a regular file no larger than the largest frame this namespace
+writes, and only then reads: a FIFO, a symlink or a huge sparse file is a
+miss (counted as ``rejected`` and ``corrupt``, the entry removed) without a
+byte read. With a
+deployment secret (``TierContext.frame_key``) frames carry a MAC, and a frame
+without one is dropped as corrupt.
+
 Contract with the tiered store (bytes in, bytes out; framing is ours):
 
 - ``put([(key, payload)])`` takes the raw chunk payload (bytes-like or a
@@ -46,6 +58,7 @@ import errno
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -77,6 +90,7 @@ log = logging.getLogger(__name__)
 SUFFIX = ".kvc"
 _ENTRY_RE = re.compile(r"^[0-9a-f]{32}\.kvc$")
 _TMP_PREFIX = ".tmp."
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 STALE_TMP_SECONDS = 3600.0
 """Temp files older than this are left-overs of a crashed writer; removed at start."""
 MTIME_REFRESH_SECONDS = 60.0
@@ -126,6 +140,8 @@ class DiskBackend(Backend):
             raise ValueError("disk tier: the namespace fingerprint must be 16 bytes")
         self.options = options
         self._ns = context.namespace_fp
+        self._mac = context.frame_key
+        self._max_frame = HEADER_SIZE + context.chunk_bytes if context.chunk_bytes > 0 else None
         self._root = os.path.join(os.path.abspath(options.path), context.namespace_fp.hex())
         self._shard_width = len(f"{options.shards - 1:x}")
         self._lock = threading.Lock()
@@ -143,7 +159,7 @@ class DiskBackend(Backend):
         self._counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "puts", "put_skipped_present", "put_failures", "put_enospc",
              "put_eacces", "put_erofs", "put_other_errors", "put_too_large", "put_no_room",
-             "corrupt", "unverifiable", "read_errors", "evictions", "deletes"), 0
+             "corrupt", "unverifiable", "rejected", "read_errors", "evictions", "deletes"), 0
         )  # fmt: skip
         self._pool = (
             ThreadPoolExecutor(options.io_threads, thread_name_prefix="kvsdk-disk")
@@ -151,8 +167,10 @@ class DiskBackend(Backend):
             else None
         )
         self._made_dirs: set[str] = set()
+        top = os.path.abspath(options.path)
         try:
-            os.makedirs(os.path.abspath(options.path), mode=0o700, exist_ok=True)
+            os.makedirs(top, mode=0o700, exist_ok=True)
+            _check_top_dir(top)
             self._makedirs(self._root)
             for shard in range(options.shards if options.shards > 1 else 0):
                 self._makedirs(os.path.join(self._root, f"{shard:0{self._shard_width}x}"))
@@ -173,9 +191,14 @@ class DiskBackend(Backend):
         return os.path.join(self._shard_dir(key_hex), key_hex + SUFFIX)
 
     def _makedirs(self, path: str) -> None:
+        """Create ``path`` (0700) or check the one there: a directory, not a
+        symlink, this user's, closed to group and others (``ValueError`` otherwise)."""
         if path in self._made_dirs:
             return
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            _check_private_dir(path)
         self._made_dirs.add(path)
 
     # -- start-up scan ----------------------------------------------------------------
@@ -201,7 +224,9 @@ class DiskBackend(Backend):
                         continue
                     if not _ENTRY_RE.match(e.name) or not e.is_file(follow_symlinks=False):
                         continue
-                    st = e.stat()
+                    st = e.stat(follow_symlinks=False)
+                    if not self._plausible_size(st.st_size):
+                        continue  # not a frame of this namespace: a miss when asked
                     key = bytes.fromhex(e.name[:32])
                     want = self._path(key)
                     if e.path != want:  # written with another shard count
@@ -279,6 +304,8 @@ class DiskBackend(Backend):
         for key in keys:
             with self._lock:  # the file and the index agree under the lock
                 size = _file_size(self._path(key))
+                if size is not None and not self._plausible_size(size):
+                    size = None  # not a frame of this namespace: a miss when read
                 if size is None:
                     self._forget_locked(key)
                 elif key not in self._index:  # stored by another process
@@ -313,8 +340,11 @@ class DiskBackend(Backend):
         key, outs = item
         path = self._path(key)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, _OPEN_FLAGS)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a symlink where a frame belongs: never followed
+                self._reject(key, path, "a symlink")
+                return None
             if exc.errno != errno.ENOENT:
                 self._count("read_errors")
                 self._burst.warning("read", "disk tier: cannot open %s: %s", path, exc.strerror)
@@ -324,16 +354,21 @@ class DiskBackend(Backend):
             self._count("misses")
             return None
         header = bytearray(HEADER_SIZE)
+        rejected = ""
         try:
             st = os.fstat(fd)
             size = st.st_size
             direct = outs is not None and size == HEADER_SIZE + sum(o.nbytes for o in outs)
-            if direct:
+            if not stat.S_ISREG(st.st_mode):
+                rejected = "not a regular file"
+            elif not self._plausible_size(size):
+                rejected = f"{size} bytes, not a frame size of this namespace"
+            elif direct:
                 assert outs is not None
                 _readv_all(fd, [memoryview(header), *outs])
             else:
                 whole = _read_whole(fd, size)
-            if time.time() - st.st_mtime > MTIME_REFRESH_SECONDS:
+            if not rejected and time.time() - st.st_mtime > MTIME_REFRESH_SECONDS:
                 with contextlib.suppress(OSError):  # read-only mount: fine
                     os.utime(fd)  # LRU order that survives restarts (coarse)
         except OSError as exc:
@@ -342,13 +377,16 @@ class DiskBackend(Backend):
             return None
         finally:
             os.close(fd)
+        if rejected:
+            self._reject(key, path, rejected)
+            return None
         try:
             if direct:
                 assert outs is not None
-                verify_chunk(header, outs, namespace_fp=self._ns, key=key)
+                verify_chunk(header, outs, namespace_fp=self._ns, key=key, mac_key=self._mac)
                 payload = outs[0] if outs else memoryview(b"")
             else:
-                payload = decode_chunk(whole, namespace_fp=self._ns, key=key)
+                payload = decode_chunk(whole, namespace_fp=self._ns, key=key, mac_key=self._mac)
         except UnverifiableChunk as exc:
             self._count("unverifiable", "misses")
             self._burst.warning("unverifiable", "disk tier: %s: %s", path, exc.reason)
@@ -381,11 +419,11 @@ class DiskBackend(Backend):
         if isinstance(value, list):  # from put_parts: flat byte views
             parts: list[memoryview] = value
             nbytes = sum(p.nbytes for p in parts)
-            header = encode_header(self._ns, key, parts, "|u1", (nbytes,))
+            header = encode_header(self._ns, key, parts, "|u1", (nbytes,), mac_key=self._mac)
         else:
             flat, dtype, shape = as_payload(value)
             parts, nbytes = [flat], flat.nbytes
-            header = encode_header(self._ns, key, flat, dtype, shape)
+            header = encode_header(self._ns, key, flat, dtype, shape, mac_key=self._mac)
         size = len(header) + nbytes
         path = self._path(key)
         with self._lock:
@@ -398,7 +436,7 @@ class DiskBackend(Backend):
                     self._evict_locked(0)
                 self._counters["put_skipped_present"] += 1
                 return True
-            if size > self.options.capacity:
+            if size > self.options.capacity or not self._plausible_size(size):
                 self._counters["put_too_large"] += 1
                 self._counters["put_failures"] += 1
                 return False
@@ -428,7 +466,10 @@ class DiskBackend(Backend):
         reservation of ``size`` bytes in one step under the lock (on an error the
         caller ends the reservation)."""
         directory = os.path.dirname(path)
-        self._makedirs(directory)
+        try:
+            self._makedirs(directory)
+        except ValueError as exc:  # someone else's directory where ours belongs
+            raise OSError(errno.EACCES, str(exc)) from None
         tmp = os.path.join(
             directory,
             f"{_TMP_PREFIX}{os.path.basename(path)}.{os.getpid()}.{next(self._tmp_names)}",
@@ -517,6 +558,20 @@ class DiskBackend(Backend):
             self._pool = None
 
     # -- helpers --------------------------------------------------------------------
+    def _plausible_size(self, size: int) -> bool:
+        """A file of ``size`` bytes can be a frame of this namespace."""
+        return size >= HEADER_SIZE and (self._max_frame is None or size <= self._max_frame)
+
+    def _reject(self, key: ChunkKey, path: str, what: str) -> None:
+        """``path`` cannot be a frame (a symlink, a FIFO, too big): a miss, and
+        the entry removed (unlinking a symlink removes the link, not its target)."""
+        self._count("rejected", "corrupt", "misses")
+        self._burst.warning("rejected", "disk tier: dropping %s: %s", path, what)
+        with self._lock:
+            self._forget_locked(key)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
     def _count(self, *names: str) -> None:
         with self._lock:
             for name in names:
@@ -554,9 +609,12 @@ class DiskBackend(Backend):
             row: dict[str, Any] = {"namespace": ns.name, "entries": entries, "bytes": size}
             if sample is not None:
                 try:
-                    with open(sample, "rb") as fh:
-                        size_on_disk = os.fstat(fh.fileno()).st_size
-                        h = parse_header(fh.read(HEADER_SIZE), size_on_disk - HEADER_SIZE)
+                    fd = os.open(sample, _OPEN_FLAGS)
+                    with open(fd, "rb") as fh:
+                        st = os.fstat(fd)
+                        if not stat.S_ISREG(st.st_mode):
+                            raise CorruptChunk("not a regular file")
+                        h = parse_header(fh.read(HEADER_SIZE), st.st_size - HEADER_SIZE)
                     row["format_version"] = h.version
                     row["dtype"], row["shape"] = h.dtype, list(h.shape)
                 except (OSError, CorruptChunk) as exc:
@@ -593,16 +651,53 @@ def _byte_view(buf: Any) -> memoryview:
 
 
 def _file_size(path: str) -> int | None:
+    """The size of the regular file ``path`` (None: absent, or a symlink, FIFO, ...)."""
     try:
-        return os.stat(path).st_size
+        st = os.lstat(path)
     except OSError:
         return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def _check_top_dir(path: str) -> None:
+    """The tier's ``path``: a directory of this user's that nobody else can write to
+    (else another user could swap the namespace directory)."""
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"path: {path!r} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise ValueError(
+            f"path: {path!r} belongs to uid {st.st_uid}; expected a directory of this user "
+            f"(uid {os.geteuid()}), e.g. a new one kvsdk creates with mode 0700"
+        )
+    if st.st_mode & 0o022:
+        raise ValueError(
+            f"path: {path!r} has mode {stat.S_IMODE(st.st_mode):04o}, writable by group or "
+            "others; expected a directory only this user can write to (chmod go-w)"
+        )
+
+
+def _check_private_dir(path: str) -> None:
+    """A namespace or shard directory: not a symlink, this user's, mode 0700."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"path: {path!r} exists and is not a directory (or is a symlink)")
+    if st.st_uid != os.geteuid():
+        raise ValueError(
+            f"path: {path!r} belongs to uid {st.st_uid}; expected this user's (uid "
+            f"{os.geteuid()}): remove it or use another path"
+        )
+    if st.st_mode & 0o077:
+        raise ValueError(
+            f"path: {path!r} has mode {stat.S_IMODE(st.st_mode):04o}; expected no access "
+            "for group and others (chmod 700)"
+        )
 
 
 def _same_file(path: str, st: os.stat_result) -> bool:
     """``path`` still names the file ``st`` describes (not deleted or replaced)."""
     try:
-        cur = os.stat(path)
+        cur = os.lstat(path)
     except OSError:
         return False
     return (cur.st_ino, cur.st_dev) == (st.st_ino, st.st_dev)

@@ -17,11 +17,16 @@ It is how kvsdk's own tests, and users evaluating kvsdk, rehearse failures::
           backend: disk
           path: /var/cache/kvsdk
 
-Values are kept in the wrapped tier inside kvsdk's chunk frame
-(:mod:`kvsdk.chunk_format`), and every value read back is checked with the
-same frame checks the built-in tiers run, *after* the fault is injected: a
-corrupted or truncated read is a miss (counted), never a load. Faults are
-drawn from a ``random.Random(seed)`` in call order, so a run replays exactly.
+The wrapper is transparent: values go to the wrapped tier as they are (it
+frames them itself), so a directory or database written through the wrapper
+is the bare tier's, and a restart reads what a previous process wrote, with
+or without the wrapper; listing, the index, ``get_into``, scatter/gather and
+the capabilities are the wrapped tier's. A corrupted or truncated read is
+rehearsed on a real frame: the value read is framed again (namespace, key,
+MAC key when a deployment secret is set), damaged, and put through the same
+frame checks every tier runs; the check rejects it, so it is a miss
+(counted as ``caught_by_checks``), never a load. Faults are drawn from a
+``random.Random(seed)`` in call order, so a run replays exactly.
 """
 
 from __future__ import annotations
@@ -85,8 +90,12 @@ class FaultyBackend(Backend):
         )
         self.medium = self.inner.medium  # type: ignore[misc]
         self.locality = self.inner.locality  # type: ignore[misc]
+        self.supports_listing = self.inner.supports_listing  # type: ignore[misc]
+        self.supports_get_into = self.inner.supports_get_into  # type: ignore[misc]
+        self.supports_scatter_gather = self.inner.supports_scatter_gather  # type: ignore[misc]
         self.o = options
         self._ns = context.namespace_fp
+        self._mac = context.frame_key
         self._rng = random.Random(options.seed)
         self._lock = threading.Lock()
         self.injected: Counter[str] = Counter()
@@ -114,40 +123,68 @@ class FaultyBackend(Backend):
         self._call_faults()
         return self.inner.exists(keys)
 
+    def _damaged_read(self, key: ChunkKey, value: Any) -> bool:
+        """Draw the read faults for one value read; on a fault, run the frame
+        checks on a damaged frame of it. True: the value is lost (a miss)."""
+        corrupt = self._draw(self.o.corrupt_read_rate)
+        truncate = self._draw(self.o.truncate_rate)
+        if not (corrupt or truncate):
+            return False
+        frame = bytearray(encode_chunk(self._ns, key, value, mac_key=self._mac))
+        if corrupt:
+            self.injected["corrupt_read"] += 1
+            with self._lock:
+                pos = self._rng.randrange(len(frame))
+            frame[pos] ^= 0xFF
+        if truncate:
+            self.injected["truncated_read"] += 1
+            del frame[len(frame) // 2 :]
+        try:
+            decode_chunk(frame, namespace_fp=self._ns, key=key, mac_key=self._mac)
+        except CorruptChunk:
+            self.injected["caught_by_checks"] += 1
+            return True
+        raise AssertionError("a damaged frame passed the frame checks")  # pragma: no cover
+
     def get(self, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
         self._call_faults()
-        out: list[Buffer | None] = []
-        for key, value in zip(keys, self.inner.get(keys), strict=True):
-            if value is None:
-                out.append(None)
-                continue
-            data = bytearray(value)
-            if data and self._draw(self.o.corrupt_read_rate):
-                self.injected["corrupt_read"] += 1
-                with self._lock:
-                    pos = self._rng.randrange(len(data))
-                data[pos] ^= 0xFF
-            if data and self._draw(self.o.truncate_rate):
-                self.injected["truncated_read"] += 1
-                del data[len(data) // 2 :]
-            try:
-                out.append(decode_chunk(data, namespace_fp=self._ns, key=key))
-            except CorruptChunk:
-                self.injected["caught_by_checks"] += 1
-                out.append(None)
-        return out
+        return [
+            None if value is None or self._damaged_read(key, value) else value
+            for key, value in zip(keys, self.inner.get(keys), strict=True)
+        ]
+
+    def get_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[bool]:
+        self._call_faults()
+        done = self.inner.get_into(keys, outs)
+        return [ok and not self._damaged_read(k, o) for k, o, ok in zip(keys, outs, done)]
+
+    def get_into_parts(
+        self, keys: Sequence[ChunkKey], outs: Sequence[Sequence[memoryview]]
+    ) -> list[bool]:
+        self._call_faults()
+        done = self.inner.get_into_parts(keys, outs)
+        return [
+            ok and not self._damaged_read(k, b"".join(parts))
+            for k, parts, ok in zip(keys, outs, done)
+        ]
+
+    def _drop_writes(self, n: int) -> set[int]:
+        dropped = {i for i in range(n) if self._draw(self.o.drop_write_rate)}
+        self.injected["dropped_write"] += len(dropped)
+        return dropped
 
     def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
         self._call_faults()
-        keep: list[tuple[ChunkKey, Buffer]] = []
-        dropped: set[int] = set()
-        for i, (key, value) in enumerate(items):
-            if self._draw(self.o.drop_write_rate):
-                self.injected["dropped_write"] += 1
-                dropped.add(i)
-            else:
-                keep.append((key, encode_chunk(self._ns, key, value)))
+        dropped = self._drop_writes(len(items))
+        keep = [item for i, item in enumerate(items) if i not in dropped]
         stored = iter(self.inner.put(keep)) if keep else iter(())
+        return [True if i in dropped else next(stored) for i in range(len(items))]
+
+    def put_parts(self, items: Sequence[tuple[ChunkKey, Sequence[memoryview]]]) -> list[bool]:
+        self._call_faults()
+        dropped = self._drop_writes(len(items))
+        keep = [item for i, item in enumerate(items) if i not in dropped]
+        stored = iter(self.inner.put_parts(keep)) if keep else iter(())
         return [True if i in dropped else next(stored) for i in range(len(items))]
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
@@ -171,10 +208,6 @@ class FaultyBackend(Backend):
 
     def close(self) -> None:
         self.inner.close()
-
-    @property
-    def supports_listing(self) -> bool:  # type: ignore[override]
-        return self.inner.supports_listing
 
     def iter_keys(self) -> Iterator[ChunkKey]:
         return self.inner.iter_keys()

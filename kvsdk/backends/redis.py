@@ -9,9 +9,13 @@ Contract with the tiered store (bytes in, bytes out; framing is ours):
 - ``put([(key, payload)])`` frames the raw payload and ``SET``s it (``EX`` when
   ``ttl_seconds`` is set), pipelined ``max_batch`` keys per round trip.
   Returns per item whether the server acknowledged it.
-- ``get(keys)`` (``MGET``; per-key ``GET`` pipelines per node in Cluster mode)
-  returns the verified payload (``memoryview``, flat bytes) or ``None``. A
-  value that fails verification is a miss: counted, and deleted.
+- ``get(keys)`` returns the verified payload (``memoryview``, flat bytes) or
+  ``None``. A value that fails verification is a miss: counted, and deleted.
+  Values are untrusted (``docs/security.md``): each is read with ``GETRANGE
+  0 <largest frame>`` (pipelined, per node in Cluster mode), so a planted
+  huge value costs at most one frame's bytes on the wire and in memory
+  (``oversized``, dropped); ``MGET`` only when the context gives no chunk size.
+  With a deployment secret (``TierContext.frame_key``) frames carry a MAC.
 - ``exists``/``delete`` likewise pipelined; ``clear`` scans this namespace's
   keys and unlinks them.
 
@@ -35,13 +39,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import redis as redis_py
 from redis import connection as redis_connection
@@ -59,9 +62,17 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from kvsdk import trust
 from kvsdk.backend import Backend, BackendError, Buffer, TierContext
 from kvsdk.burst_log import BurstLog
-from kvsdk.chunk_format import FP_BYTES, CorruptChunk, UnverifiableChunk, decode_chunk, encode_chunk
+from kvsdk.chunk_format import (
+    FP_BYTES,
+    HEADER_SIZE,
+    CorruptChunk,
+    UnverifiableChunk,
+    decode_chunk,
+    encode_chunk,
+)
 from kvsdk.hooks import hookimpl
 from kvsdk.types import ChunkKey, Locality, Medium
 
@@ -78,12 +89,8 @@ _OUTAGE: tuple[type[BaseException], ...] = (
 _TOPOLOGY = (AskError, ClusterDownError, TryAgainError)  # AskError covers MovedError
 _SKIPPED = object()
 _TOPOLOGY_REFRESH_S = 1.0
-_URL_PASSWORD = re.compile(r"(//[^/@]*?:)[^/@]*@")
-
-
-def mask_url(url: str) -> str:
-    """``redis://user:secret@host`` → ``redis://user:***@host``."""
-    return _URL_PASSWORD.sub(r"\1***@", url)
+mask_url = trust.mask_url
+"""``redis://user:secret@host`` → ``redis://user:***@host`` (any password)."""
 
 
 @dataclass(frozen=True, repr=False)
@@ -182,20 +189,19 @@ class RedisBackend(Backend):
             raise ValueError("redis tier: the namespace fingerprint must be 16 bytes")
         self.options = options
         self._ns = context.namespace_fp
+        self._mac = context.frame_key
+        self._max_frame = HEADER_SIZE + context.chunk_bytes if context.chunk_bytes > 0 else None
         self._prefix = f"kvsdk:{context.namespace_fp.hex()}:".encode()
         self._where = mask_url(options.url)
-        url = options.url
-        if options.tls and url.startswith("redis://"):
-            url = "rediss://" + url[len("redis://") :]
-        self._url = url
+        url = self._url = _effective_url(options)
         parse_url: Any = redis_connection.parse_url  # (untyped upstream)
         parse_url(url)  # a malformed URL fails at start-up
-        self._kwargs = self._connection_kwargs()
+        self._kwargs = _connection_kwargs(options, url)
         self._lock = threading.Lock()
         self._breakers: dict[str, _Breaker] = {}
         self._burst = BurstLog(log)
         self._counters: dict[str, int] = dict.fromkeys(
-            ("hits", "misses", "corrupt", "unverifiable", "puts", "put_failures", "deletes",
+            ("hits", "misses", "corrupt", "unverifiable", "oversized", "puts", "put_failures", "deletes",
              "skipped", "outages", "command_errors", "topology_refreshes"), 0
         )  # fmt: skip
         self._client: redis_py.Redis | None = None
@@ -208,34 +214,9 @@ class RedisBackend(Backend):
             )
             self._client = redis_py.Redis(connection_pool=pool)
 
-    def _connection_kwargs(self) -> dict[str, Any]:
-        o = self.options
-        kw: dict[str, Any] = {
-            "socket_timeout": o.socket_timeout,
-            "socket_connect_timeout": o.connect_timeout,
-            "max_connections": o.max_connections,
-        }
-        if o.username is not None:
-            kw["username"] = o.username
-        if o.password is not None:
-            kw["password"] = o.password
-        if self._url.startswith("rediss://"):
-            kw["ssl_cert_reqs"] = "required" if o.tls_verify else "none"
-            kw["ssl_check_hostname"] = o.tls_verify
-            for opt, name in (("tls_ca_file", "ssl_ca_certs"), ("tls_cert_file", "ssl_certfile"),
-                              ("tls_key_file", "ssl_keyfile")):  # fmt: skip
-                if getattr(o, opt) is not None:
-                    kw[name] = getattr(o, opt)
-        return kw
-
     # -- failure handling ------------------------------------------------------------
     def _redact(self, text: str) -> str:
-        text = mask_url(text)
-        secrets = [self.options.password, urlsplit(self.options.url).password]
-        for secret in secrets:
-            if secret:
-                text = text.replace(secret, "***")
-        return text
+        return _redact(self.options, text)
 
     def _breaker(self, name: str) -> _Breaker:
         b = self._breakers.get(name)
@@ -317,13 +298,17 @@ class RedisBackend(Backend):
             self._burst.warning("topology", "redis tier %s: topology refresh failed: %s",
                                 self._where, self._redact(str(exc)))  # fmt: skip
 
-    def _execute(self, rkeys: Sequence[bytes], add: _AddCommands, per_key: bool) -> list[Any]:
+    def _execute(
+        self, rkeys: Sequence[bytes], add: _AddCommands, per_key: bool, commands_per_key: int = 1
+    ) -> list[Any]:
         """Pipelined commands for ``rkeys``, ``max_batch`` keys per round trip.
 
         Returns one reply per key: the server's answer, an exception for a
         command the server refused, or ``_SKIPPED`` when its server is out.
         ``add(pipe, positions)`` queues the commands; with ``per_key=False`` it
-        queues one multi-key command whose reply is a list.
+        queues one multi-key command whose reply is a list. With
+        ``commands_per_key`` > 1 it queues that many per key, and each key's
+        reply is the tuple of their replies (an exception if one failed).
         """
         out: list[Any] = [_SKIPPED] * len(rkeys)
         step = self.options.max_batch
@@ -345,6 +330,10 @@ class RedisBackend(Backend):
                     replies = replies[0]
                     if isinstance(replies, Exception):
                         replies = [replies] * len(part)
+                elif commands_per_key > 1:
+                    c = commands_per_key
+                    grouped = [tuple(replies[j : j + c]) for j in range(0, len(replies), c)]
+                    replies = [next((r for r in g if isinstance(r, Exception)), g) for g in grouped]
                 for i, reply in zip(part, replies):
                     if isinstance(reply, _TOPOLOGY):
                         self._refresh_topology = True
@@ -360,15 +349,26 @@ class RedisBackend(Backend):
     # -- Backend -------------------------------------------------------------------------
     def get(self, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
         rkeys = [self._rkey(k) for k in keys]
+        limit = self._max_frame
 
         def add(pipe: Any, part: list[int]) -> None:
-            if self._client is not None:
+            if limit is not None:
+                for i in part:  # at most limit + 1 bytes: more is not one of our frames
+                    pipe.exists(rkeys[i])  # (GETRANGE answers b"" for no key and an empty one)
+                    pipe.getrange(rkeys[i], 0, limit)
+            elif self._client is not None:
                 pipe.mget([rkeys[i] for i in part])
             else:
                 for i in part:
                     pipe.get(rkeys[i])
 
-        replies = self._execute(rkeys, add, per_key=self._client is None)
+        if limit is not None:
+            replies = [
+                r if not isinstance(r, tuple) else r[1] if r[0] else None
+                for r in self._execute(rkeys, add, per_key=True, commands_per_key=2)
+            ]
+        else:
+            replies = self._execute(rkeys, add, per_key=self._client is None)
         out: list[Buffer | None] = []
         bad: list[ChunkKey] = []
         hits = 0
@@ -380,8 +380,15 @@ class RedisBackend(Backend):
                 self._command_error("get", reply)
                 out.append(None)
                 continue
+            if limit is not None and len(reply) > limit:
+                self._count("oversized")
+                self._burst.warning("oversized", "redis tier: dropping %s: larger than a frame",
+                                    self._rkey(key).decode())  # fmt: skip
+                bad.append(key)
+                out.append(None)
+                continue
             try:
-                out.append(decode_chunk(reply, namespace_fp=self._ns, key=key))
+                out.append(decode_chunk(reply, namespace_fp=self._ns, key=key, mac_key=self._mac))
                 hits += 1
             except UnverifiableChunk as exc:
                 self._count("unverifiable")
@@ -402,13 +409,19 @@ class RedisBackend(Backend):
     def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
         rkeys = [self._rkey(k) for k, _ in items]
         ttl = self.options.ttl_seconds
+        limit = self._max_frame
+        frames = [encode_chunk(self._ns, key, value, mac_key=self._mac) for key, value in items]
+        fits = [limit is None or len(f) <= limit for f in frames]  # else a reader drops it
 
         def add(pipe: Any, part: list[int]) -> None:
             for i in part:
-                key, value = items[i]
-                pipe.set(rkeys[i], encode_chunk(self._ns, key, value), ex=ttl)
+                if fits[i]:
+                    pipe.set(rkeys[i], frames[i], ex=ttl)
+                else:
+                    pipe.exists(rkeys[i])  # (a reply per key; counted as not stored)
 
-        replies = self._execute(rkeys, add, per_key=True)
+        replies = [r if fits[i] else False
+                   for i, r in enumerate(self._execute(rkeys, add, per_key=True))]  # fmt: skip
         ok = [r is True for r in replies]
         for r in replies:
             if isinstance(r, Exception):
@@ -503,13 +516,15 @@ class RedisBackend(Backend):
 
     @classmethod
     def inventory(cls, options: Any) -> list[dict[str, Any]]:
-        """Entries and bytes per namespace (a SCAN of ``kvsdk:*``; STRLEN per key)."""
+        """Entries and bytes per namespace (a SCAN of ``kvsdk:*``; STRLEN per key).
+        Connects as the tier does: TLS and AUTH options honoured in both modes."""
+        url = _effective_url(options)
+        kwargs = _connection_kwargs(options, url)
+        kwargs.pop("max_connections")
         client: Any = (
-            RedisCluster.from_url(options.url)
+            RedisCluster.from_url(url, **kwargs)
             if options.cluster
-            else redis_py.Redis.from_url(
-                options.url, password=options.password, username=options.username
-            )
+            else redis_py.Redis.from_url(url, **kwargs)
         )
         per_ns: dict[str, list[int]] = {}
         try:
@@ -555,6 +570,40 @@ class RedisBackend(Backend):
 
     def __repr__(self) -> str:
         return f"RedisBackend({self._where!r}, cluster={self.options.cluster})"
+
+
+def _effective_url(o: RedisOptions) -> str:
+    """The URL to connect to: ``rediss://`` when ``tls`` is set on a ``redis://`` URL."""
+    if o.tls and o.url.startswith("redis://"):
+        return "rediss://" + o.url[len("redis://") :]
+    return o.url
+
+
+def _connection_kwargs(o: RedisOptions, url: str) -> dict[str, Any]:
+    """Timeouts, AUTH and TLS for every connection the tier (or ``inventory``) opens."""
+    kw: dict[str, Any] = {
+        "socket_timeout": o.socket_timeout,
+        "socket_connect_timeout": o.connect_timeout,
+        "max_connections": o.max_connections,
+    }
+    if o.username is not None:
+        kw["username"] = o.username
+    if o.password is not None:
+        kw["password"] = o.password
+    if url.startswith("rediss://"):
+        kw["ssl_cert_reqs"] = "required" if o.tls_verify else "none"
+        kw["ssl_check_hostname"] = o.tls_verify
+        for opt, name in (("tls_ca_file", "ssl_ca_certs"), ("tls_cert_file", "ssl_certfile"),
+                          ("tls_key_file", "ssl_keyfile")):  # fmt: skip
+            if getattr(o, opt) is not None:
+                kw[name] = getattr(o, opt)
+    return kw
+
+
+def _redact(o: RedisOptions, text: str) -> str:
+    """``text`` without the options' password (option or URL, raw or decoded)."""
+    url = urlsplit(o.url)
+    return trust.redact(text, (o.password, url.password, unquote(url.password or "")))
 
 
 @hookimpl

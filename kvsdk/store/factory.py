@@ -24,6 +24,8 @@ from kvsdk.metrics import Metrics, start_prometheus_exporter
 from kvsdk.slab import SlabError
 from kvsdk.store.chain import TierChain
 from kvsdk.store.tiered import TieredStore
+from kvsdk.trust import note_trust
+from kvsdk.types import Locality
 
 _exporters: dict[int, Metrics] = {}
 _exporters_lock = threading.Lock()
@@ -45,12 +47,13 @@ def build_tiers(
     try:
         for i, tier in enumerate(config.tiers):
             ctx = TierContext(
-                namespace_fp=namespace.fingerprint,
+                namespace_fp=namespace.public_fp,
                 namespace_hex=namespace.hex,
                 chunk_bytes=chunk_bytes,
                 tier_index=i,
                 policy_factory=partial(policy),
                 slab=slab,
+                frame_key=namespace.frame_key,
             )
             try:
                 tiers.append(backends[tier.backend](tier.options, ctx))
@@ -60,6 +63,7 @@ def build_tiers(
         for t in tiers:
             t.close()
         raise
+    note_trust(namespace.secret, (t.name for t in tiers if t.locality is not Locality.PROCESS))
     return tiers
 
 

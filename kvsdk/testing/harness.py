@@ -20,9 +20,10 @@ BackendFactory = Callable[[TierContext], Backend]
 
 NAMESPACE_A = hashlib.blake2b(b"kvsdk.testing namespace A", digest_size=16).digest()
 NAMESPACE_B = hashlib.blake2b(b"kvsdk.testing namespace B", digest_size=16).digest()
-PAYLOAD_SIZES: tuple[int, ...] = (0, 1, 13, 4096, (256 << 10) + 3, (1 << 20) + 1)
-CHUNK_BYTES = 1 << 20
-"""``TierContext.chunk_bytes`` the suite passes (the usual payload size)."""
+CHUNK_BYTES = (1 << 20) + 1
+"""``TierContext.chunk_bytes`` the suite passes: the largest payload it stores
+(a tier may refuse larger ones, and treat larger stored values as corrupt)."""
+PAYLOAD_SIZES: tuple[int, ...] = (0, 1, 13, 4096, (256 << 10) + 3, CHUNK_BYTES)
 MIN_CAPACITY_BYTES = 16 << 20
 """Room the backend under test must have; no check stores more than a quarter of it."""
 THREADS = 8

@@ -35,14 +35,16 @@ from kvsdk.eviction import ARCPolicy
 NS = hashlib.blake2b(b"model-a", digest_size=16).digest()
 NS_B = hashlib.blake2b(b"model-b", digest_size=16).digest()
 CHUNK = 4096
+LARGEST = 64 << 10
+"""The largest payload the tests' tiers take (``TierContext.chunk_bytes``)."""
 
 
-def ctx(ns: bytes = NS, **kw: Any) -> TierContext:
-    return TierContext(namespace_fp=ns, namespace_hex=ns.hex(), chunk_bytes=CHUNK, **kw)
+def ctx(ns: bytes = NS, chunk_bytes: int = CHUNK, **kw: Any) -> TierContext:
+    return TierContext(namespace_fp=ns, namespace_hex=ns.hex(), chunk_bytes=chunk_bytes, **kw)
 
 
 def disk(path: Path | str, ns: bytes = NS, **options: Any) -> DiskBackend:
-    return DiskBackend(DiskOptions(path=str(path), **options), ctx(ns))
+    return DiskBackend(DiskOptions(path=str(path), **options), ctx(ns, LARGEST))
 
 
 def key(i: int) -> bytes:

@@ -45,8 +45,12 @@ FAST: dict[str, Any] = {
 }
 
 
+LARGEST = 8 << 20
+"""The largest payload the tests' tiers take (``TierContext.chunk_bytes``)."""
+
+
 def ctx(ns: bytes = NS) -> TierContext:
-    return TierContext(namespace_fp=ns, namespace_hex=ns.hex(), chunk_bytes=4096)
+    return TierContext(namespace_fp=ns, namespace_hex=ns.hex(), chunk_bytes=LARGEST)
 
 
 def backend(url: str, ns: bytes = NS, **options: Any) -> RedisBackend:

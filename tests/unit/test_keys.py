@@ -24,6 +24,7 @@ from kvsdk.keys import (
     chunk_keys,
     token_chunk_hashes,
 )
+from kvsdk.trust import DeploymentSecret
 
 TPC = 4
 
@@ -101,11 +102,11 @@ def test_keys_are_pinned_to_known_values() -> None:
     ns = Namespace("m", "float16", (GroupLayout((2, 16, 64), "float16"),), 16)
     hashes = token_chunk_hashes(list(range(32)), 16)
     keys = chunk_keys(ns.fingerprint, hashes, 0)
-    assert FORMAT_VERSION == 2
+    assert FORMAT_VERSION == 3
     assert [k.hex() for k in keys] == _GOLDEN_KEYS
 
 
-_GOLDEN_KEYS = ["721b44365177e03db5ae252192009c0c", "8744b718c5d0c84ad5f9cb99c7403920"]
+_GOLDEN_KEYS = ["34b9c9eb394a26702eb0d1e54b3c0e7e", "57412564875a6ef58a0a187c7741a232"]
 
 
 @pytest.mark.parametrize(
@@ -215,7 +216,7 @@ def test_same_chunk_content_after_different_prefixes_hashes_differently() -> Non
 
 
 def test_short_engine_hashes_still_get_namespaced_keys() -> None:
-    """Hashes under 16 bytes cannot be masked: they are hashed again, keyed."""
+    """Hashes under 16 bytes get namespaced keys like any other."""
     a = Namespace("m", "float16", (GroupLayout((2, 16, 64), "float16"),), 16)
     b = a.with_tenant("other")
     short = b"\x01\x02\x03\x04\x05\x06\x07\x08"
@@ -223,3 +224,44 @@ def test_short_engine_hashes_still_get_namespaced_keys() -> None:
     assert len(ka) == len(kb) == 16
     assert ka != kb
     assert chunk_keys(a.fingerprint, [short], 0) == [ka]
+
+
+SECRET = DeploymentSecret(b"0123456789abcdef-deployment")
+
+
+def test_a_secret_changes_every_name_and_key_and_keeps_them_private() -> None:
+    """With a secret, the public name, the key-derivation key and the frame key
+    are three different values, none computable from the namespace alone."""
+    plain, keyed = _namespace(), _namespace().with_secret(SECRET)
+    assert plain.public_fp == plain.fingerprint and plain.frame_key is None
+    assert len({keyed.public_fp, keyed.fingerprint, plain.fingerprint}) == 3
+    assert keyed.frame_key is not None and len(keyed.frame_key) == 32
+    assert set(_keys(plain)).isdisjoint(_keys(keyed))
+    other = _namespace().with_secret(DeploymentSecret(b"another-deployment-secret"))
+    assert set(_keys(other)).isdisjoint(_keys(keyed))
+    assert other.public_fp != keyed.public_fp
+
+
+def test_the_secret_is_not_in_repr_or_canonical_bytes() -> None:
+    keyed = _namespace().with_secret(SECRET)
+    assert b"deployment" not in keyed.canonical_bytes()
+    assert "deployment" not in repr(keyed) and "deployment" not in repr(SECRET)
+    assert keyed.canonical_bytes() == _namespace().canonical_bytes()
+
+
+def test_keys_do_not_reveal_a_mask_from_one_known_prompt() -> None:
+    """Keys are a PRF of the whole chain hash: key XOR hash is not a constant
+    (with an XOR mask, one known prompt and a listing would give away all keys)."""
+    ns = _namespace()
+    hashes = token_chunk_hashes(TOKENS, TPC)
+    keys = chunk_keys(ns.fingerprint, hashes, 0)
+    masks = {bytes(a ^ b for a, b in zip(k, h[:16], strict=True)) for k, h in zip(keys, hashes)}
+    assert len(masks) == len(keys)
+
+
+def test_suffixed_engine_hashes_get_distinct_keys() -> None:
+    """The whole hash is keyed, not its first 16 bytes: SGLang's ``<hex>_k`` and
+    ``<hex>_v`` page keys are two chunks."""
+    fp = _namespace().fingerprint
+    base = ("ab" * 32).encode()
+    assert chunk_key(fp, base + b"_k", 0) != chunk_key(fp, base + b"_v", 0)

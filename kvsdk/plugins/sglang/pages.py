@@ -35,6 +35,7 @@ from kvsdk.backend import Backend
 from kvsdk.config import KVSDKConfig
 from kvsdk.keys import GroupLayout, Namespace
 from kvsdk.store.chain import Payload, TierChain
+from kvsdk.trust import load_secret
 from kvsdk.types import ChunkKey
 
 STAGING_BYTES = 64 << 20
@@ -62,10 +63,13 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def page_key_bytes(page_hash: str) -> bytes:
+    """The bytes a page's chunk key is derived from: the whole page hash, tagged
+    so a hex hash (its bytes) and any other string (its UTF-8, e.g. a suffixed
+    ``"<hex>_k"``) never give the same bytes."""
     try:
-        return bytes.fromhex(page_hash)
+        return b"x" + bytes.fromhex(page_hash)
     except (ValueError, TypeError):  # not a hex chain hash (e.g. a suffixed key)
-        return str(page_hash).encode()
+        return b"s" + str(page_hash).encode()
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,7 @@ def storage_namespace(
         world_size=1 if mla else int(storage_config.tp_size),
         tenant_salt=config.tenant,
         extra=tuple(extra),
+        secret=load_secret(config.secret_file),
     )
 
 

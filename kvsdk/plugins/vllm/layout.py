@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from kvsdk import plugins_manager
 from kvsdk.config import ConfigError, KVSDKConfig, load_config
 from kvsdk.keys import GroupLayout, Namespace
 from kvsdk.slab import segment_name
-from kvsdk.types import GroupKind, KVGroupSpec
+from kvsdk.trust import load_secret
+from kvsdk.types import GroupKind, KVGroupSpec, Locality
 
 log = logging.getLogger("vllm.kvsdk")  # shown by vLLM's own log handler
 _logged_sources: set[str] = set()
@@ -126,11 +128,17 @@ def _sample_safetensors(fh: BinaryIO, size: int, h: Any) -> bool:
 def _weights_fingerprint(model: str, revision: str | None = None) -> str:
     """Identity of the weights: for a local directory, every safetensors
     tensor's header entry and bytes sampled across each tensor (other weight
-    files: names, sizes, head and tail); for a hub id, its revision."""
+    files: names, sizes, head and tail); for a hub id, the same of its local
+    snapshot, named by its commit (never an empty string: an unresolved hub
+    id is ``rev=<revision or 'unpinned'>``)."""
     root = Path(model)
-    if not root.is_dir():
-        return revision or ""
     h = hashlib.blake2b(digest_size=16)
+    if not root.is_dir():
+        snapshot = _hub_snapshot(model, revision)
+        if snapshot is None:
+            return f"rev={revision or 'unpinned'}"
+        root = snapshot
+        h.update(b"commit=" + snapshot.name.encode())
     for f in sorted(root.glob("*.safetensors")) + sorted(root.glob("*.bin")):
         size = f.stat().st_size
         h.update(f.name.encode() + size.to_bytes(8, "little"))
@@ -143,6 +151,79 @@ def _weights_fingerprint(model: str, revision: str | None = None) -> str:
                 fh.seek(-(1 << 16), os.SEEK_END)
                 h.update(fh.read(1 << 16))
     return h.hexdigest()
+
+
+COLLISION_RESISTANT_HASHES = frozenset({"sha256", "sha256_cbor"})
+"""vLLM prefix-hash algorithms whose block hashes kvsdk may key shared tiers with."""
+
+
+def check_prefix_hash(algorithm: str, cfg: KVSDKConfig) -> None:
+    """Refuse an engine prefix hash that is not collision resistant (xxhash) when a
+    tier is shared: chunk keys come from vLLM's block hashes, so two prompts whose
+    hashes collide would load each other's KV across engines and restarts."""
+    if algorithm in COLLISION_RESISTANT_HASHES:
+        return
+    backends = plugins_manager.backends()
+    shared = [
+        t.backend
+        for t in cfg.tiers
+        if t.backend in backends and backends[t.backend].locality is not Locality.PROCESS
+    ]
+    if shared:
+        raise ConfigError(
+            f"prefix_caching_hash_algo: got {algorithm!r} with shared tiers {shared}; expected "
+            f"one of {sorted(COLLISION_RESISTANT_HASHES)} (xxhash is not collision resistant, "
+            "so chunk keys built on it cannot be shared)"
+        )
+
+
+def _hf_config_digest(model_cfg: Any) -> str:
+    """A digest of the model's configuration as vLLM runs it: ``config.json`` with
+    ``hf_overrides`` applied (RoPE scaling and the like change what KV means)."""
+    hf = getattr(model_cfg, "hf_config", None)
+    try:
+        text = hf.to_json_string(use_diff=False) if hf is not None else ""
+    except Exception:  # (an unusual config class)
+        text = repr(hf)
+    overrides = getattr(model_cfg, "hf_overrides", None)
+    if isinstance(overrides, dict):
+        text += json.dumps(overrides, sort_keys=True, default=str)
+    elif overrides is not None:
+        text += getattr(overrides, "__qualname__", repr(overrides))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def meaning_of_kv(vllm_config: Any) -> tuple[tuple[str, str], ...]:
+    """Everything beyond geometry and dtype that changes what KV bytes mean:
+    platform and attention backend (the memory layout of a page), the KV
+    cache dtype, quantization, the model config as run, the prefix-hash
+    algorithm. Part of the namespace: change one, share nothing."""
+    from vllm.platforms import current_platform
+
+    model_cfg, cache_cfg = vllm_config.model_config, vllm_config.cache_config
+    attn = getattr(vllm_config, "attention_config", None)
+    per_kind = getattr(attn, "backend_per_kind", None) or {}
+    return (
+        ("platform", str(getattr(current_platform, "device_type", "unknown"))),
+        ("attention_backend", str(getattr(attn, "backend", None) or "auto")),
+        ("attention_backend_per_kind", json.dumps({str(k): str(v) for k, v in per_kind.items()},
+                                                  sort_keys=True)),
+        ("kv_cache_layout", os.environ.get("VLLM_KV_CACHE_LAYOUT", "default")),
+        ("kv_cache_dtype", str(getattr(cache_cfg, "cache_dtype", "auto"))),
+        ("quantization", str(getattr(model_cfg, "quantization", None))),
+        ("hf_config", _hf_config_digest(model_cfg)),
+        ("prefix_hash", str(getattr(cache_cfg, "prefix_caching_hash_algo", "sha256"))),
+    )  # fmt: skip
+
+
+def _hub_snapshot(model: str, revision: str | None) -> Path | None:
+    """The local snapshot directory of a hub model (no network), or None."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except Exception:  # not cached, offline, not a hub id
+        return None
 
 
 def check_process_layout(parallel: Any) -> None:
@@ -237,6 +318,7 @@ def engine_layout(vllm_config: Any, kv_cache_config: Any, *, pp_rank: int = 0) -
         replicated_across_tp=replicated,
         region_bytes=region_bytes,
     )
+    check_prefix_hash(str(vllm_config.cache_config.prefix_caching_hash_algo), cfg)
     weights = _weights_fingerprint(model_cfg.model, getattr(model_cfg, "revision", None))
     model_id = cfg.model_id or f"{model_cfg.model}@{weights}"
     namespace = Namespace(
@@ -247,6 +329,8 @@ def engine_layout(vllm_config: Any, kv_cache_config: Any, *, pp_rank: int = 0) -
         rank=0,  # a chunk holds every rank's part (RankLayout)
         world_size=ranks.tp_size * ranks.pp_size,
         tenant_salt=cfg.tenant,
+        extra=meaning_of_kv(vllm_config),
+        secret=load_secret(cfg.secret_file),
     )
     tokens_per_hash = kv_cache_config.hash_block_size or vllm_config.cache_config.block_size
     return EngineLayout(
