@@ -1,0 +1,196 @@
+"""What authenticating frames costs: the same work with and without a
+deployment secret, in the same run.
+
+Three figures, each a ratio *with MAC / without MAC* of wall time (1.0: free):
+
+- ``frame``: encode + decode of one chunk in memory (the raw cost of
+  HMAC-SHA256 against the default checksum, xxh3-128 or BLAKE2b-128);
+- ``disk_put_get``: a disk tier's ``put`` then ``get_into`` of every chunk
+  (page cache, the tiered store's batch size), framing and verification included;
+- ``host_hit``: a host-tier hit served by a ``cpu → disk`` TieredStore whose
+  disk tier MACs its frames (the MAC is never on that path: goal <= 1.05).
+- ``redis_put_get`` (with ``--redis URL``): a Redis tier's ``put`` then ``get``.
+
+    python benchmarks/bench_frame_mac.py [--chunks 64] [--chunk-mib 2] [--repeat 5]
+        [--redis redis://127.0.0.1:6379/0] [--out out/bench_frame_mac.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvsdk.backend import TierContext
+from kvsdk.backends.disk import DiskBackend, DiskOptions
+from kvsdk.chunk_format import DEFAULT_CHECKSUM, decode_chunk, encode_chunk
+from kvsdk.config import load_config
+from kvsdk.keys import GroupLayout, Namespace
+from kvsdk.store.factory import build_store
+from kvsdk.trust import DeploymentSecret
+
+SECRET = DeploymentSecret(os.urandom(32))
+CHECKSUM_NAME = {1: "xxh3-128", 2: "blake2b-128"}[DEFAULT_CHECKSUM]
+
+
+def best(fn: Callable[[], Any], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def namespace(chunk: int, secret: DeploymentSecret | None) -> Namespace:
+    return Namespace("bench-mac", "uint8", (GroupLayout((chunk,), "|u1"),), 16, secret=secret)
+
+
+def frame_cost(payloads: list[bytes], repeat: int) -> dict[str, float]:
+    ns = namespace(len(payloads[0]), SECRET)
+    key = hashlib.blake2b(b"k", digest_size=16).digest()
+    mac = ns.frame_key
+    out = {}
+    for name, mac_key in (("without", None), ("with", mac)):
+
+        def run(mac_key: bytes | None = mac_key) -> None:
+            for p in payloads:
+                f = encode_chunk(ns.public_fp, key, p, mac_key=mac_key)
+                decode_chunk(f, namespace_fp=ns.public_fp, key=key, mac_key=mac_key)
+
+        out[name] = best(run, repeat)
+    return out
+
+
+def disk_cost(payloads: list[bytes], repeat: int, root: Path) -> dict[str, float]:
+    out = {}
+    keys = [hashlib.blake2b(i.to_bytes(4, "little"), digest_size=16).digest()
+            for i in range(len(payloads))]  # fmt: skip
+    slots = [memoryview(bytearray(len(p))) for p in payloads]
+    for name, secret in (("without", None), ("with", SECRET)):
+        ns = namespace(len(payloads[0]), secret)
+        times = []
+        for r in range(repeat):
+            ctx = TierContext(
+                namespace_fp=ns.public_fp,
+                namespace_hex=ns.hex,
+                chunk_bytes=len(payloads[0]),
+                frame_key=ns.frame_key,
+            )
+            d = DiskBackend(DiskOptions(path=str(root / f"{name}{r}"), shards=16), ctx)
+            start = time.perf_counter()
+            for i in range(0, len(keys), 16):
+                assert all(d.put(list(zip(keys[i : i + 16], payloads[i : i + 16]))))
+            for i in range(0, len(keys), 16):
+                assert all(d.get_into(keys[i : i + 16], slots[i : i + 16]))
+            times.append(time.perf_counter() - start)
+            d.close()
+        out[name] = min(times)
+    return out
+
+
+def host_hit_cost(payloads: list[bytes], repeat: int, root: Path) -> dict[str, float]:
+    out = {}
+    chunk = len(payloads[0])
+    keys = [hashlib.blake2b(i.to_bytes(4, "little"), digest_size=16).digest()
+            for i in range(len(payloads))]  # fmt: skip
+    for name, secret in (("without", None), ("with", SECRET)):
+        cfg = load_config({
+            "chunk_tokens": 16,
+            "tiers": [{"backend": "cpu", "capacity": chunk * (len(keys) + 1),
+                       "pin_memory": "never"},
+                      {"backend": "disk", "path": str(root / f"hit-{name}"), "capacity": "8GiB"}],
+        })  # fmt: skip
+        store = build_store(cfg, namespace(chunk, secret), chunk)
+        plan = store.prepare_store(keys)
+        assert plan is not None
+        slab = store.host.slab.numpy()
+        for k, slot in zip(plan.keys, plan.slots):
+            slab[slot] = np.frombuffer(payloads[keys.index(k)], dtype=np.uint8)
+        store.complete_store(list(plan.keys))
+
+        def hits(store: Any = store, slab: Any = slab) -> None:
+            for _ in range(200):
+                for k in keys:
+                    assert store.lookup(k).name == "HIT"
+                slots = store.prepare_load(keys)
+                _ = [bytes(slab[s][:64]) for s in slots]
+                store.complete_load(keys)
+
+        out[name] = best(hits, repeat)
+        store.shutdown()
+    return out
+
+
+def redis_cost(payloads: list[bytes], repeat: int, url: str) -> dict[str, float]:
+    from kvsdk.backends.redis import RedisBackend, RedisOptions
+
+    out = {}
+    keys = [hashlib.blake2b(i.to_bytes(4, "little"), digest_size=16).digest()
+            for i in range(len(payloads))]  # fmt: skip
+    for name, secret in (("without", None), ("with", SECRET)):
+        ns = namespace(len(payloads[0]), secret)
+        ctx = TierContext(namespace_fp=ns.public_fp, namespace_hex=ns.hex,
+                          chunk_bytes=len(payloads[0]), frame_key=ns.frame_key)  # fmt: skip
+        r = RedisBackend(RedisOptions(url=url, socket_timeout=10.0), ctx)
+
+        def run(r: RedisBackend = r) -> None:
+            for i in range(0, len(keys), 16):
+                assert all(r.put(list(zip(keys[i : i + 16], payloads[i : i + 16]))))
+            for i in range(0, len(keys), 16):
+                assert all(v is not None for v in r.get(keys[i : i + 16]))
+
+        out[name] = best(run, repeat)
+        r.clear()
+        r.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chunks", type=int, default=64)
+    ap.add_argument("--chunk-mib", type=float, default=2.0)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--redis", default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    size = int(args.chunk_mib * (1 << 20))
+    rng = np.random.default_rng(0)
+    payloads = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(args.chunks)]
+    results: dict[str, Any] = {"chunk_bytes": size, "chunks": args.chunks,
+                               "checksum_without_mac": CHECKSUM_NAME}  # fmt: skip
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        root = Path(tmp)
+        figures = {
+            "frame": frame_cost(payloads, args.repeat),
+            "disk_put_get": disk_cost(payloads, args.repeat, root),
+            "host_hit": host_hit_cost(payloads[:16], args.repeat, root),
+        }
+        if args.redis:
+            figures["redis_put_get"] = redis_cost(payloads, args.repeat, args.redis)
+    gib = size * args.chunks / (1 << 30)
+    for name, t in figures.items():
+        ratio = t["with"] / t["without"]
+        results[name] = {"without_s": t["without"], "with_s": t["with"], "ratio": ratio}
+        extra = ""
+        if name in ("frame", "disk_put_get", "redis_put_get"):
+            extra = f"  ({gib / t['without']:.2f} -> {gib / t['with']:.2f} GiB/s)"
+        print(f"{name:14s} without {t['without'] * 1e3:8.1f} ms  with MAC "
+              f"{t['with'] * 1e3:8.1f} ms  ratio {ratio:.2f}x{extra}")  # fmt: skip
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    print(json.dumps({k: v for k, v in results.items() if isinstance(v, dict)}, default=float))
+
+
+if __name__ == "__main__":
+    main()
