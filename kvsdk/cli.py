@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from kvsdk import plugins_manager
 from kvsdk.commands import CommandRegistry
-from kvsdk.config import ConfigError, dump_json_schema, load_config
+from kvsdk.config import ConfigError, KVSDKConfig, dump_json_schema, load_config
 
 
 def _config_check(args: argparse.Namespace) -> int:
@@ -25,12 +26,31 @@ def _config_check(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"{args.file}: {exc}", file=sys.stderr)
         return 2
+    for warning in _config_warnings(cfg):
+        print(f"{args.file}: warning: {warning}", file=sys.stderr)
     tiers = ", ".join(t.backend for t in cfg.tiers)
     print(
         f"{args.file}: OK (tiers: {tiers}; chunk_tokens={cfg.chunk_tokens or 'engine block size'}; "
         f"eviction={cfg.eviction})"
     )
     return 0
+
+
+SMALL_TIER_BYTES = 1 << 20
+"""Below this a tier holds no chunk of any real model (the vLLM adapter refuses such a host tier)."""
+
+
+def _config_warnings(cfg: KVSDKConfig) -> list[str]:
+    """What the schema allows but an engine would refuse, where the engine's
+    geometry (bytes per chunk) is not known here."""
+    return [
+        f"tiers[{i}].capacity: {capacity} bytes holds no chunk of a real model (a chunk is "
+        "chunk_tokens, by default the engine's block size, x the model's KV bytes per token: "
+        "128 KiB per token for Llama-3-8B in bf16); write a size with a unit, e.g. 8GiB"
+        for i, tier in enumerate(cfg.tiers)
+        if isinstance(capacity := getattr(tier.options, "capacity", None), int)
+        and capacity < SMALL_TIER_BYTES
+    ]
 
 
 def _config_schema(args: argparse.Namespace) -> int:
@@ -63,11 +83,12 @@ def _inspect(args: argparse.Namespace) -> int:
     report = []
     for i, tier in enumerate(cfg.tiers):
         cls = backends[tier.backend]
-        try:
-            rows = cls.inventory(tier.options)
-            error = None
-        except Exception as exc:  # an unreachable tier is reported, not raised
-            rows, error = [], f"{type(exc).__name__}: {exc}"
+        rows, error = [], _path_problem(tier.options)
+        if error is None:
+            try:
+                rows = cls.inventory(tier.options)
+            except Exception as exc:  # an unreachable tier is reported, then exit 1
+                error = f"{type(exc).__name__}: {exc}"
         report.append(
             {
                 "tier": i,
@@ -78,9 +99,12 @@ def _inspect(args: argparse.Namespace) -> int:
                 "error": error,
             }
         )
+    failed = [t for t in report if t["error"]]
+    for t in failed:
+        print(f"{args.config}: tiers[{t['tier']}] ({t['backend']}): {t['error']}", file=sys.stderr)
     if args.json:
         print(json.dumps(report, indent=2))
-        return 0
+        return 1 if failed else 0
     for t in report:
         print(f"tier {t['tier']}: {t['backend']} ({t['medium']}, {t['locality']})")
         if t["error"]:
@@ -93,7 +117,24 @@ def _inspect(args: argparse.Namespace) -> int:
                 f"  namespace {row['namespace']}: {row['entries']} chunks, "
                 f"{row['bytes'] / 2**20:.1f} MiB {extra if extra else ''}".rstrip()
             )
-    return 0
+    return 1 if failed else 0
+
+
+def _path_problem(options: object) -> str | None:
+    """For a tier with a ``path`` option: why that directory cannot be used, or
+    None (it exists, or it can be created at the first start)."""
+    raw = getattr(options, "path", None)
+    if not isinstance(raw, str):
+        return None
+    path = Path(raw)
+    if path.is_dir():
+        return None
+    if path.exists():
+        return f"path {raw!r} is not a directory"
+    parent = next(p for p in path.absolute().parents if p.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        return f"path {raw!r} cannot be created: {str(parent)!r} is not a writable directory"
+    return None
 
 
 def _plugins(args: argparse.Namespace) -> int:

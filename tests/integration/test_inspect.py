@@ -72,7 +72,7 @@ def test_inspect_lists_chunks_per_namespace_on_disk_and_redis(
     assert "tier 1: disk (disk, node)" in text and "5 chunks" in text
 
 
-def test_inspect_reports_an_unreachable_tier_instead_of_failing(tmp_path: Path) -> None:
+def test_inspect_exits_1_naming_an_unreachable_tier(tmp_path: Path) -> None:
     cfg = tmp_path / "kvsdk.yaml"
     cfg.write_text(
         yaml.safe_dump(
@@ -85,5 +85,32 @@ def test_inspect_reports_an_unreachable_tier_instead_of_failing(tmp_path: Path) 
         text=True,
         timeout=60,
     )
-    assert out.returncode == 0
-    assert "unreachable" in out.stdout
+    assert out.returncode == 1
+    assert "unreachable" in out.stdout  # the other tiers are still listed
+    assert f"{cfg}: tiers[1] (redis): ConnectionError" in out.stderr
+
+
+def test_inspect_exits_1_naming_a_disk_path_that_cannot_be_created(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("")
+    cfg = tmp_path / "kvsdk.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "tiers": [
+                    {"backend": "cpu"},
+                    {"backend": "disk", "path": str(not_a_dir / "kvsdk")},
+                    {"backend": "disk", "path": str(tmp_path / "not-yet" / "kvsdk")},
+                ]
+            }
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "kvsdk.cli", "inspect", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1
+    assert f"tiers[1] (disk): path '{not_a_dir / 'kvsdk'}' cannot be created" in out.stderr
+    assert "tiers[2]" not in out.stderr  # a directory created at the first start is fine

@@ -77,8 +77,8 @@ def load_vllm_config(source: Any) -> KVSDKConfig:
     if isinstance(host, int) and host < HOST_TIER_FLOOR:
         raise ConfigError(
             f"tiers[0].capacity: got {host} bytes; a host tier must hold at least one chunk "
-            "(chunk_tokens x the model's KV bytes per token, e.g. 32 MiB for 256 tokens of "
-            "Llama-3-8B in bf16): write a size with a unit, e.g. 8GiB"
+            "(chunk_tokens, by default the engine's block size, x the model's KV bytes per "
+            "token: 128 KiB for Llama-3-8B in bf16): write a size with a unit, e.g. 8GiB"
         )
     return cfg
 

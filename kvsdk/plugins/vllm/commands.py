@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from kvsdk.commands import CommandRegistry
-from kvsdk.config import KVSDKConfig, load_config
+from kvsdk.config import KVSDKConfig
 from kvsdk.hooks import hookimpl
 
 
@@ -104,14 +104,19 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def _load_vllm_config(path: Path) -> KVSDKConfig:
-    return load_config(path)  # vLLM runs kvsdk's whole chain, host tier first
+    # vLLM runs kvsdk's whole chain, host tier first; the server's start-up check
+    from kvsdk.plugins.vllm import load_vllm_config
+
+    return load_vllm_config(path)
 
 
 @hookimpl
 def kvsdk_register_commands(commands: CommandRegistry) -> None:
     note = "" if _have_vllm() else " [needs vLLM]"
     commands.config_engine(
-        "vllm", help="the whole tier chain, a host tier first", load=_load_vllm_config
+        "vllm",
+        help="the whole tier chain, a host tier of at least 1 MiB first (the server's check)",
+        load=_load_vllm_config,
     )
 
     demo = commands.command(
