@@ -24,10 +24,9 @@ import pytest
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
-needs_redis = pytest.mark.skipif(
-    REDIS_SERVER is None or REDIS_CLI is None,
-    reason="redis-server / redis-cli not installed (apt-get install redis-server)",
-)
+needs_redis = pytest.mark.usefixtures("redis_tools")
+"""Tests that need redis-server and redis-cli: without them they fail (never skip);
+import ``redis_tools`` next to it."""
 
 
 def free_port(also_free: int = 0) -> int:
@@ -165,6 +164,12 @@ def missing_tool(message: str) -> None:
     """A tool the tests need is missing: a failure, never a skip (a skipped test
     proves nothing); scripts/setup.sh installs every one of them."""
     pytest.fail(f"{message} -- run scripts/setup.sh (or scripts/test.sh), which installs it")
+
+
+@pytest.fixture(name="redis_tools")
+def redis_tools_fixture() -> None:
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        missing_tool("redis-server / redis-cli not installed (apt-get install redis-server)")
 
 
 @pytest.fixture(name="redis_server")

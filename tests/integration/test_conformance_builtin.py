@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 import redis
-from redis_server import RedisServer, needs_redis, redis_server_fixture  # noqa: F401  (fixture)
+from redis_server import (  # noqa: F401  (fixtures)
+    RedisServer,
+    needs_redis,
+    redis_server_fixture,
+    redis_tools_fixture,
+)
 
 from kvsdk.backend import Backend, Buffer, TierContext
 from kvsdk.backends.disk import DiskBackend, DiskOptions

@@ -148,3 +148,46 @@ def test_tiered_store_over_a_faulty_tier_never_loads_wrong_bytes(tmp_path: Path)
     assert hits > n // 3  # promotions happened despite the faults
     assert faults["caught_by_checks"] > 0 and faults["dropped_write"] > 0 and faults["error"] > 0
     assert store.metrics.counter("kvsdk_backend_errors_total") > 0
+
+
+def bare_disk(tmp_path: Path) -> Any:
+    cfg = build_tier_config({"backend": "disk", "path": str(tmp_path)}, "t")
+    return backends()["disk"](cfg.options, TierContext(NS.fingerprint, NS.hex, CHUNK))
+
+
+def test_the_wrapper_is_transparent_over_what_a_bare_tier_wrote(tmp_path: Path) -> None:
+    """A restart through the wrapper at rate 0 sees exactly what the bare tier
+    wrote (listing, index, get, get_into, capabilities); the wrapper's own writes
+    are the bare tier's frames."""
+    items = [(key(i), payload(i)) for i in range(7)]
+    bare = bare_disk(tmp_path)
+    assert bare.put(items[:4]) == [True] * 4
+    bare.close()
+    wrapped = faulty(tmp_path)
+    assert wrapped.put(items[4:]) == [True] * 3
+    wrapped.close()
+
+    restarted = faulty(tmp_path)
+    bare = bare_disk(tmp_path)
+    keys = [k for k, _ in items]
+    for flag in ("supports_listing", "supports_get_into", "supports_scatter_gather"):
+        assert getattr(restarted, flag) == getattr(bare, flag) is True, flag
+    assert sorted(restarted.iter_keys()) == sorted(bare.iter_keys()) == sorted(keys)
+    assert [bytes(v) for v in restarted.get(keys)] == [v for _, v in items]
+    assert [bytes(v) for v in bare.get(keys)] == [v for _, v in items]
+    slots = [memoryview(bytearray(CHUNK)) for _ in keys]
+    assert restarted.get_into(keys, slots) == [True] * 7
+    assert [bytes(s) for s in slots] == [v for _, v in items]
+
+
+def test_faults_over_persisted_data_lose_hits_never_bytes(tmp_path: Path) -> None:
+    items = [(key(i), payload(i)) for i in range(40)]
+    bare = bare_disk(tmp_path)
+    assert all(bare.put(items))
+    bare.close()
+    restarted = faulty(tmp_path, seed=3, corrupt_read_rate=0.3, truncate_rate=0.2)
+    got = restarted.get([k for k, _ in items])
+    hits = [i for i, v in enumerate(got) if v is not None]
+    assert 0 < len(hits) < len(items)
+    assert all(bytes(got[i]) == items[i][1] for i in hits)  # type: ignore[arg-type]
+    assert restarted.injected["caught_by_checks"] == len(items) - len(hits)

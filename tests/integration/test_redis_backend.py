@@ -25,6 +25,7 @@ from redis_server import (  # noqa: F401  (fixtures)
     needs_redis,
     redis_cluster_fixture,
     redis_server_fixture,
+    redis_tools_fixture,
 )
 
 from kvsdk import plugins_manager
