@@ -1,30 +1,10 @@
-"""The engine-agnostic scheduler side of an offloading connector.
-
-An adapter translates its engine's calls into these, in this order per step:
-
-1. ``add_request`` when the engine first sees a request;
-2. ``lookup(req_id, num_computed_tokens)`` → tokens loadable from kvsdk
-   (``None``: ask again next step);
-3. ``allocated(req_id, block_ids, num_external_tokens)`` once the engine
-   allocated blocks for the hit → a load job for this step;
-4. ``build_step(...)`` with the step's scheduled / preempted / finished
-   requests and newly allocated blocks → the step's jobs (loads, stores and
-   ids to flush) for the transfer workers;
-5. ``worker_results(...)`` with what the workers finished → failed loads'
-   engine blocks, so the engine recomputes them;
-6. ``request_finished`` when the engine is done with a request.
-
-All inputs are plain data: request ids, engine block hashes, block ids per
-KV group, token counts. Keys come from the engine's block hashes (one per
-``tokens_per_hash`` tokens) or, if it has none, from the token ids.
-"""
+"""OffloadScheduler: the scheduler side of an offloading connector, as plain data
+(the call order an adapter follows is in :mod:`kvsdk.scheduler`)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
 
 from kvsdk.events import EventOrigin, KVEvent
 from kvsdk.keys import Namespace, chunk_keys, token_chunk_hashes
@@ -32,34 +12,18 @@ from kvsdk.ledger import JobLedger
 from kvsdk.metrics import Metrics
 from kvsdk.planner import LookupPlanner, PlanRequest
 from kvsdk.scheduler.request import RequestState, chunks_to_store, load_copies, store_copies
+from kvsdk.scheduler.steps import DECODE_STORE_CHUNKS, StepJobs, WorkerResult
+from kvsdk.scheduler.tail import (
+    TAIL_CHUNK,
+    prompt_tail,
+    tail_blocks_ready,
+    tail_copies,
+    tail_lookup,
+    tails_supported,
+)
 from kvsdk.store.tiered import TieredStore
 from kvsdk.transfer import BlockCopies, Direction, TransferJob
 from kvsdk.types import ChunkKey, KVGroupSpec, ReqId
-
-DECODE_STORE_CHUNKS = 4
-"""Chunks completed by generated tokens are stored this many at a time, and
-the rest when the request finishes: one store job for several chunks costs the
-scheduler about what one for a single chunk does, and the next turn of a
-conversation comes after the request finished. Prompt chunks, which concurrent
-requests share, are stored as soon as they are computed. (A preempted
-request's blocks are freed at once, so its deferred chunks are recomputed on
-resume, like any chunk of a preempted request that was not stored yet.)"""
-
-
-@dataclass(frozen=True)
-class StepJobs:
-    loads: tuple[TransferJob, ...]
-    stores: tuple[TransferJob, ...]
-    flush: frozenset[int]
-    """Jobs the workers must finish before this step's loads and forward pass
-    (their source blocks are about to be overwritten)."""
-
-
-class WorkerResult(NamedTuple):
-    job_id: int
-    ok: bool = True
-    workers: int = 1
-    """How many workers this report stands for."""
 
 
 class OffloadScheduler:
@@ -94,6 +58,7 @@ class OffloadScheduler:
         self._chunk_tokens = [g.tokens_per_chunk for g in self.groups]
         self._min_chunk_tokens = min(self._chunk_tokens)
         self.planner = LookupPlanner(self.groups, tokens_per_hash=self.tokens_per_hash)
+        self._tails = tails_supported(self.groups)
         self.ledger = JobLedger(num_workers)
         self.max_load_tokens = max_load_tokens
         self.blocks_rewritten_before_flush = blocks_rewritten_before_flush
@@ -124,10 +89,14 @@ class OffloadScheduler:
         block_hashes: Sequence[bytes] | None = None,
         token_ids: Sequence[int] | None = None,
         tenant: str = "",
+        prompt_token_ids: Sequence[int] | None = None,
+        tail_salt: bytes = b"",
     ) -> None:
         """``block_hashes`` (the engine's hash of each full block so far; copied,
         see :meth:`hashes_grew`) or ``token_ids`` (kvsdk hashes them) identify
-        the content."""
+        the content. ``prompt_token_ids`` (with ``tail_salt``: whatever else
+        changes the prompt's KV) enable the prompt's tail entry, where the
+        token ids alone name the tail's content (see :mod:`kvsdk.scheduler.tail`)."""
         if block_hashes is None:
             if token_ids is None:
                 raise ValueError("add_request needs block_hashes or token_ids")
@@ -142,6 +111,13 @@ class OffloadScheduler:
             next_store_chunk=[0] * len(self.groups),
             tenant=tenant,
         )
+        if self._tails and prompt_token_ids is not None:
+            r.tail = prompt_tail(
+                self.ns_fp, self.groups, r.hashes, self.tokens_per_hash, prompt_token_ids, tail_salt
+            )
+            if r.tail is not None and self.store.events.enabled:
+                for g, key in zip(self.groups, r.tail.keys):
+                    self.store.events.annotate(key, EventOrigin(g.index, TAIL_CHUNK, b""))
         self._set_next_store(r)
 
     def hashes_grew(self, req_id: ReqId, block_hashes: Sequence[bytes]) -> None:
@@ -176,6 +152,8 @@ class OffloadScheduler:
         due = r.next_store_at
         if due > r.num_prompt_tokens:  # generated tokens: store them in batches
             due += (DECODE_STORE_CHUNKS - 1) * self._min_chunk_tokens
+        if r.tail is not None and not r.tail.stored:
+            due = min(due, r.tail.end)
         self.store_due[r.req_id] = due
 
     def has_request(self, req_id: ReqId) -> bool:
@@ -215,17 +193,30 @@ class OffloadScheduler:
             being_loaded=self._being_loaded,
             lookup_run=self.store.lookup_run,
         )
+        hit = None if plan is None else self._with_tail(r, num_computed_tokens, plan.num_hit_tokens)
         now = time.perf_counter()
         self._sync_delays.append(now - start)
-        if plan is None:
+        if hit is None:
             if r.deferred_since is None:
                 r.deferred_since = start
             return None
         if r.deferred_since is not None:
             self.metrics.observe("kvsdk_lookup_delay_seconds", now - r.deferred_since, kind="async")
             r.deferred_since = None
-        self._hit_tokens += plan.num_hit_tokens
-        return plan.num_hit_tokens
+        self._hit_tokens += hit
+        return hit
+
+    def _with_tail(self, r: RequestState, computed: int, hit: int) -> int | None:
+        """``hit`` extended by the prompt's tail (None: ask again)."""
+        t = r.tail
+        if t is None or not t.start <= computed + hit < t.end:
+            return hit
+        if len(r.keys[0]) * self._min_chunk_tokens > t.start:
+            return hit  # the request grew past its prompt: a whole chunk is named there now
+        if self.max_load_tokens is not None and t.end - computed > self.max_load_tokens:
+            return hit
+        served = tail_lookup(t, self.store.lookup, self._being_loaded)
+        return None if served is None else (t.end - computed if served else hit)
 
     # -- loads ----------------------------------------------------------------------------
     def allocated(
@@ -246,7 +237,7 @@ class OffloadScheduler:
             BlockCopies(
                 group=self.groups[gi].index,
                 engine_blocks=eb,
-                slots=[slots[r.keys[gi][c]] for c in chunks],
+                slots=[slots[r.chunk_key(gi, c)] for c in chunks],
                 offsets=offs,
             )
             for gi, eb, chunks, offs in per_group
@@ -305,21 +296,25 @@ class OffloadScheduler:
         candidates: dict[str, list[tuple[RequestState, list[Sequence[int]], list[ChunkKey]]]] = {}
         requests = self._requests
         store_due = self.store_due
+        tails: list[RequestState] = []
         for req_id, upto in computed_after_step.items():
             # most steps complete no new chunk for most requests: one comparison
             if upto >= store_due.get(req_id, upto + 1):
                 r = requests[req_id]
                 if (found := self._store_candidates(r, upto)) is not None:
                     candidates.setdefault(r.tenant, []).append((r, *found))
+                if self._tail_due(r, upto):
+                    tails.append(r)
         for req_id, upto in finished.items():
             r = requests.get(req_id)
-            if (
-                r is not None
-                and upto >= r.next_store_at
-                and (found := self._store_candidates(r, upto)) is not None
-            ):
+            if r is None:
+                continue
+            if upto >= r.next_store_at and (found := self._store_candidates(r, upto)) is not None:
                 candidates.setdefault(r.tenant, []).append((r, *found))
+            if self._tail_due(r, upto):
+                tails.append(r)
         stores = [job for tenant, cs in candidates.items() for job in self._store_jobs(tenant, cs)]
+        stores += [job for r in tails if (job := self._tail_store_job(r)) is not None]
         self._flush_metrics()
         for req_id in finished:
             self._finish(req_id)
@@ -349,6 +344,33 @@ class OffloadScheduler:
         found = chunks_to_store(r, self.groups, upto)
         self._set_next_store(r)
         return found
+
+    def _tail_due(self, r: RequestState, upto: int) -> bool:
+        t = r.tail
+        return (
+            t is not None
+            and not t.stored
+            and upto >= t.end
+            and r.req_id not in self._loading_requests
+        )
+
+    def _tail_store_job(self, r: RequestState) -> TransferJob | None:
+        """The store of ``r``'s prompt tail (once per request: stored or not)."""
+        t = r.tail
+        assert t is not None
+        t.stored = True
+        self._set_next_store(r)
+        if not tail_blocks_ready(t, self.groups, r.block_ids):
+            return None
+        plan = self.store.prepare_store(t.keys, r.tenant)
+        if plan is None or len(plan.keys) != len(t.keys):
+            if plan is not None and plan.keys:
+                self.store.complete_store(list(plan.keys), ok=False)  # release the part
+            return None  # stored already (or no room)
+        copies = tail_copies(t, self.groups, r.block_ids, plan.slots, t.end)
+        blocks = [b for c in copies for b in c.engine_blocks]
+        job_id = self.ledger.add_store(r.req_id, list(t.keys), deferred_fence_block_ids=blocks)
+        return TransferJob(job_id, Direction.STORE, tuple(copies))
 
     def _store_jobs(
         self, tenant: str, found: list[tuple[RequestState, list[Sequence[int]], list[ChunkKey]]]
@@ -442,10 +464,9 @@ class OffloadScheduler:
                 "kvsdk_lookup_delay_seconds", time.perf_counter() - r.deferred_since, kind="async"
             )
             r.deferred_since = None
-        final_store_due = (
-            num_tokens is not None
-            and num_tokens >= r.next_store_at
-            and req_id not in self._loading_requests
+        final_store_due = num_tokens is not None and (
+            (num_tokens >= r.next_store_at and req_id not in self._loading_requests)
+            or self._tail_due(r, num_tokens)
         )
         return final_store_due or self.ledger.has_store_jobs(req_id)
 
@@ -481,6 +502,8 @@ class OffloadScheduler:
         self._awaiting_final_store.clear()
         for r in self._requests.values():
             r.next_store_chunk = [0] * len(self.groups)
+            if r.tail is not None:
+                r.tail.stored = False
             self._set_next_store(r)
         # loads still in flight keep their slots pinned until they complete
         self._being_loaded.clear()

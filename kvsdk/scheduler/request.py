@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvsdk.scheduler.tail import PromptTail
 from kvsdk.transfer import BlockCopies
 from kvsdk.types import ChunkKey, GroupKind, KVGroupSpec, ReqId, cdiv
 
@@ -30,6 +31,16 @@ class RequestState:
     """Its final stores were built (``build_step`` saw it in ``finished``)."""
     engine_finished: bool = False
     """The engine reported it finished; its final stores come next step."""
+    tail: PromptTail | None = None
+    """The prompt's last, partial chunk as its own entry (see :mod:`kvsdk.scheduler.tail`)."""
+
+    def chunk_key(self, gi: int, c: int) -> ChunkKey:
+        """Key of chunk ``c`` of group ``gi``: a whole chunk's, or past them the tail's."""
+        keys = self.keys[gi]
+        if c < len(keys):
+            return keys[c]
+        assert self.tail is not None, f"chunk {c} of group {gi}: past the whole ones, no tail"
+        return self.tail.keys[gi]
 
 
 class StoreCopies(NamedTuple):
@@ -129,6 +140,6 @@ def load_copies(r: RequestState, groups: Sequence[KVGroupSpec], end: int) -> Loa
             chunks.append(b // bpc)
             offs.append(b % bpc)
         for c in dict.fromkeys(chunks):
-            keys.append(r.keys[gi][c])
+            keys.append(r.chunk_key(gi, c))
         per_group.append((gi, eb, chunks, offs))
     return LoadCopies(keys, per_group)

@@ -25,6 +25,7 @@ from kvsdk.plugins.vllm.messages import (
     machine_id,
 )
 from kvsdk.scheduler import OffloadScheduler, WorkerResult
+from kvsdk.scheduler.tail import TAIL_CHUNK
 from kvsdk.store.factory import StoreHandle
 from kvsdk.types import Locality
 
@@ -44,6 +45,20 @@ arriving meanwhile is scheduled at most this much later)."""
 def _has_event_sinks() -> bool:
     """Whether any installed plugin implements the ``kvsdk_publish_events`` hook."""
     return bool(plugins_manager.plugin_manager().hook.kvsdk_publish_events.get_hookimpls())
+
+
+def _tail_tokens(req: Request) -> list[int] | None:
+    """The prompt's token ids where they alone name its content (no images,
+    no prompt embeddings): then its partial last chunk can be an entry of its own."""
+    if req.prompt_embeds is not None or req.mm_features or req.prompt_token_ids is None:
+        return None
+    return req.prompt_token_ids
+
+
+def _tail_salt(req: Request) -> bytes:
+    """What else vLLM's block hashes mix in that changes a prompt's KV."""
+    lora = req.lora_request.lora_name if req.lora_request is not None else ""
+    return f"salt={req.cache_salt or ''}\0lora={lora}".encode()
 
 
 def _computed_at_finish(req: Request) -> int:
@@ -151,6 +166,8 @@ class SchedulerSide:
                 num_prompt_tokens=request.num_prompt_tokens,
                 block_hashes=request.block_hashes,
                 tenant=request.cache_salt or "",
+                prompt_token_ids=_tail_tokens(request) if self.layout.config.prompt_tail else None,
+                tail_salt=_tail_salt(request),
             )
         else:  # e.g. preempted and waiting again, having grown
             self.core.hashes_grew(rid, request.block_hashes)
@@ -267,14 +284,16 @@ class SchedulerSide:
             if ev.kind is EventKind.CLEARED:
                 yield AllBlocksCleared()
                 continue
+            origins = list(zip(ev.keys, ev.info or [None] * len(ev.keys), strict=True))
+            # prompt tails are kvsdk's own entries, not vLLM blocks: not announced
+            origins = [(k, o) for k, o in origins if o is None or o.chunk != TAIL_CHUNK]
+            if not origins:
+                continue
             hashes = [  # vLLM's own block hashes, in its external event form
-                maybe_convert_block_hash(BlockHash(h))
-                for h in [
-                    info.block_hash if info else key
-                    for key, info in zip(ev.keys, ev.info or [None] * len(ev.keys), strict=True)
-                ]
+                maybe_convert_block_hash(BlockHash(o.block_hash if o else key))
+                for key, o in origins
             ]
-            groups = {info.group for info in ev.info if info} if ev.info else set()
+            groups = {o.group for _, o in origins if o}
             group = groups.pop() if len(groups) == 1 else None
             if ev.kind is EventKind.STORED:
                 yield BlockStored(

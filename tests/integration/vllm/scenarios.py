@@ -33,6 +33,9 @@ D = [rng.randrange(3, 32000) for _ in range(700)]
 """For the defaults: vLLM-CPU's 128-token blocks stop at token 640 of it, and so
 does kvsdk's default chunk (the engine's block size; a 256-token chunk would
 stop at 512)."""
+T = [rng.randrange(3, 32000) for _ in range(673)]
+"""For the prompt tail: five whole 128-token blocks and a 33-token tail; 672 is a
+multiple of 32, so an engine with 32-token blocks recomputes exactly its last token."""
 
 
 def make_llm(
@@ -193,6 +196,42 @@ def main() -> None:
         reset(llm)
         corrupt_host_tier()
         res["corrupt"] = generate(llm, D)
+    elif scenario == "tail":
+        # vLLM's defaults; kvsdk's but for prompt_tail
+        from vllm import LLM
+
+        llm = LLM(
+            model=model,
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            dtype="float32",
+            seed=0,
+            kv_transfer_config={
+                "kv_connector": "KVSDKConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"config": {"prompt_tail": True}},
+            },
+        )
+        res["cold"] = generate(llm, T)
+        res["local"] = generate(llm, T)  # vLLM's own: whole blocks only
+        reset(llm)
+        res["kvsdk"] = generate(llm, T)
+        reset(llm)
+        res["other_tail"] = generate(llm, [*T[:-1], T[-1] + 1])
+        reset(llm)
+        res["salted"] = generate(llm, T, salt="tenant-b")
+        reset(llm)
+        corrupt_host_tier()
+        res["corrupt"] = generate(llm, T)
+    elif scenario == "tail_reference":
+        # vLLM alone with 32-token blocks: its own prefix hit of T recomputes one token
+        from vllm import LLM
+
+        llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+                  seed=0, block_size=32)  # fmt: skip
+        res["cold"] = generate(llm, T)
+        res["local"] = generate(llm, T)
+        res["other_tail_cold"] = generate(llm, [*T[:-1], T[-1] + 1])
     elif scenario == "mla_refused":
         # vLLM-CPU runs MLA without prefix caching: its MLA prefill cannot
         # resume from cached KV (measured: a 192-token hit changed the 5th

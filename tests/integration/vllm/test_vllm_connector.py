@@ -82,6 +82,32 @@ def test_vllm_and_kvsdk_defaults_load_bitwise_equal_kv(model_dir: str, tmp_path:
     assert "KV groups full_attention, chunk 128 tokens" in r["log"]
 
 
+def test_the_prompt_tail_serves_a_repeated_prompt_to_its_last_token(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """vLLM's defaults, kvsdk's with ``prompt_tail``: a 673-token prompt (five
+    128-token blocks and 33 tokens) comes back from kvsdk to its end, where
+    vLLM's own cache stops at 640 (vLLM counts all 673 as cached and recomputes
+    the last). Its outputs equal vLLM's own prefix hit that also recomputes one
+    token (an engine with 32-token blocks: 672 cached), bitwise."""
+    r = run("tail", model_dir, tmp_path)
+    ref = run("tail_reference", model_dir, tmp_path)
+    # vLLM's own cache serves the 640 tokens of whole blocks, kvsdk's tail the rest
+    assert r["local"]["cached"] == 673
+    assert r["kvsdk"]["cached"] == 673  # after a reset: all from kvsdk (vLLM recomputes 1)
+    assert ref["local"]["cached"] == 672  # vLLM's own one-token recompute
+    assert same(r["kvsdk"], ref["local"])
+    assert same(r["local"], ref["local"])
+    assert r["cold"]["tokens"] == r["kvsdk"]["tokens"]
+    # a prompt with another last token, or another salt: the whole blocks only
+    assert r["other_tail"]["cached"] == 640
+    assert r["other_tail"]["tokens"] == ref["other_tail_cold"]["tokens"]
+    assert r["salted"]["cached"] == 0  # another tenant's prefix cache is its own
+    # negative control: the comparison catches bad KV
+    assert r["corrupt"]["cached"] == 673
+    assert not same(r["corrupt"], ref["local"])
+
+
 def test_an_mla_model_on_vllm_cpu_is_refused_at_start_with_one_sentence(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:

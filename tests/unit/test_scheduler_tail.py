@@ -1,0 +1,100 @@
+"""The prompt tail: a prompt's last, partial chunk is stored once its prefill is
+done, and a repeated prompt is served to its end; another tail (other tokens,
+other salt) never matches."""
+
+from __future__ import annotations
+
+import hashlib
+
+from kvsdk.config import load_config
+from kvsdk.keys import GroupLayout, Namespace
+from kvsdk.scheduler import OffloadScheduler, WorkerResult
+from kvsdk.store.factory import build_store
+from kvsdk.types import GroupKind, KVGroupSpec
+
+TPB = 4  # tokens per block = per chunk
+
+
+def make(kind: GroupKind = GroupKind.FULL_ATTENTION) -> OffloadScheduler:
+    ns = Namespace("m", "float32", (GroupLayout((2, TPB, 1, 8), "float32"),), TPB)
+    store = build_store(load_config({"tiers": [{"backend": "cpu"}]}), ns, 256)
+    window = 8 if kind is GroupKind.SLIDING_WINDOW else None
+    return OffloadScheduler([KVGroupSpec(0, kind, TPB, 1, sliding_window_tokens=window)], ns, store)
+
+
+def chain(tokens: list[int]) -> list[bytes]:
+    """An engine's block hashes: one per whole block."""
+    out, prev = [], b""
+    for b in range(len(tokens) // TPB):
+        prev = hashlib.sha256(prev + bytes(tokens[b * TPB : (b + 1) * TPB])).digest()
+        out.append(prev)
+    return out
+
+
+def serve(s: OffloadScheduler, rid: str, prompt: list[int], salt: bytes = b"") -> int | None:
+    s.add_request(rid, num_prompt_tokens=len(prompt), block_hashes=chain(prompt),
+                  prompt_token_ids=prompt, tail_salt=salt)  # fmt: skip
+    return s.lookup(rid, 0)
+
+
+def run_prefill(s: OffloadScheduler, rid: str, prompt: list[int], blocks: list[int]) -> list[int]:
+    """The whole prompt computed in one step; finished; every store landed.
+    Returns the engine blocks the step's stores copied."""
+    jobs = s.build_step(computed_after_step={rid: len(prompt)}, new_block_ids={rid: [blocks]},
+                        replace_block_ids=[rid])  # fmt: skip
+    copied = [b for j in jobs.stores for c in j.copies for b in c.engine_blocks]
+    assert s.request_finished(rid, len(prompt)) is True  # its stores read the blocks
+    s.worker_results([WorkerResult(j.job_id) for j in jobs.stores])
+    s.build_step(computed_after_step={}, finished={rid: len(prompt)})
+    return copied
+
+
+PROMPT = list(range(10, 21))  # 11 tokens: 2 whole blocks and a 3-token tail
+
+
+def test_a_repeated_prompt_is_served_to_its_end_from_its_tail() -> None:
+    s = make()
+    assert serve(s, "a", PROMPT) == 0
+    # blocks 1, 2 hold the whole chunks, block 3 the tail (and later, generated tokens)
+    assert sorted(run_prefill(s, "a", PROMPT, [1, 2, 3])) == [1, 2, 3]
+    assert serve(s, "b", PROMPT) == 11  # the engine recomputes the last token itself
+    s.allocated("b", [[7, 8, 9]], 11)
+    (load,) = s.build_step(computed_after_step={}).loads
+    assert [b for c in load.copies for b in c.engine_blocks] == [7, 8, 9]
+    assert load.copies[0].offsets == [0, 0, 0]
+
+
+def test_another_tail_or_salt_is_served_only_to_the_last_whole_chunk() -> None:
+    s = make()
+    serve(s, "a", PROMPT)
+    run_prefill(s, "a", PROMPT, [1, 2, 3])
+    assert serve(s, "other-tail", [*PROMPT[:-1], 99]) == 8
+    assert serve(s, "other-salt", PROMPT, salt=b"tenant-b") == 8
+    assert serve(s, "shorter", PROMPT[:-1]) == 8  # a tail names exactly its tokens
+    assert serve(s, "longer", [*PROMPT, 5]) == 8
+
+
+def test_a_prompt_on_a_chunk_boundary_has_no_tail_and_no_extra_store() -> None:
+    s = make()
+    prompt = PROMPT[:8]
+    serve(s, "a", prompt)
+    assert sorted(run_prefill(s, "a", prompt, [1, 2])) == [1, 2]
+    assert serve(s, "b", prompt) == 8
+
+
+def test_a_sliding_window_model_has_no_tails() -> None:
+    s = make(GroupKind.SLIDING_WINDOW)
+    serve(s, "a", PROMPT)
+    copied = run_prefill(s, "a", PROMPT, [1, 2, 3])
+    assert 3 not in copied  # only whole chunks
+    assert (serve(s, "b", PROMPT) or 0) <= 8
+
+
+def test_after_a_reset_the_tail_is_gone_and_stored_again() -> None:
+    s = make()
+    serve(s, "a", PROMPT)
+    run_prefill(s, "a", PROMPT, [1, 2, 3])
+    s.reset()
+    assert serve(s, "b", PROMPT) == 0
+    assert 3 in run_prefill(s, "b", PROMPT, [1, 2, 3])
+    assert serve(s, "c", PROMPT) == 11
