@@ -95,6 +95,35 @@ def row_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int, int, i
     return runs
 
 
+def copy_rows(
+    src: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst: torch.Tensor,
+    dst_idx: torch.Tensor,
+    stage: Callable[[], torch.Tensor],
+) -> None:
+    """``dst[dst_idx] = src[src_idx]`` for 2-D row tensors: one strided ``copy_``
+    per run of rows when the runs are long enough (no buffer, half the memory
+    traffic), else a gather into ``stage()`` (a reused buffer of rows like
+    ``src``'s) and a scatter, in bounded pieces. kvsdk's CPU worker copies with
+    it, and so does the native connector's CPU worker the benchmarks use."""
+    row_bytes = src.shape[1] * src.element_size()
+    if len(src_idx) * row_bytes >= DIRECT_COPY_BYTES:
+        runs = row_runs(src_idx.tolist(), dst_idx.tolist())
+        if len(src_idx) * row_bytes >= DIRECT_COPY_BYTES * len(runs):
+            for s0, ds, d0, dd, length in runs:
+                dst[d0 : d0 + (length - 1) * dd + 1 : dd].copy_(
+                    src[s0 : s0 + (length - 1) * ds + 1 : ds]
+                )
+            return
+    buf = stage()
+    step = buf.shape[0]
+    for i in range(0, len(src_idx), step):
+        piece = buf[: len(src_idx[i : i + step])]
+        torch.index_select(src, 0, src_idx[i : i + step], out=piece)
+        dst.index_copy_(0, dst_idx[i : i + step], piece)
+
+
 class _GroupPlan:
     """How one group's engine blocks map onto rows of the slab.
 
@@ -151,21 +180,7 @@ class _GroupPlan:
                 src, src_idx, dst, dst_idx = self.engine_rows, engine_idx, self.slab_rows, slab_idx
             else:
                 src, src_idx, dst, dst_idx = self.slab_rows, slab_idx, self.engine_rows, engine_idx
-            row_bytes = src.shape[1] * src.element_size()
-            if len(src_idx) * row_bytes >= DIRECT_COPY_BYTES:
-                runs = row_runs(src_idx.tolist(), dst_idx.tolist())
-                if len(src_idx) * row_bytes >= DIRECT_COPY_BYTES * len(runs):
-                    for s0, ds, d0, dd, length in runs:
-                        dst[d0 : d0 + (length - 1) * dd + 1 : dd].copy_(
-                            src[s0 : s0 + (length - 1) * ds + 1 : ds]
-                        )
-                    return n
-            stage = self._stage(direction, src)
-            step = stage.shape[0]
-            for i in range(0, len(src_idx), step):  # bounded pieces through a reused buffer
-                piece = stage[: len(src_idx[i : i + step])]
-                torch.index_select(src, 0, src_idx[i : i + step], out=piece)
-                dst.index_copy_(0, dst_idx[i : i + step], piece)
+            copy_rows(src, src_idx, dst, dst_idx, lambda: self._stage(direction, src))
             return n
         for li, layer in enumerate(self.layers):  # general layout: per layer, advanced indexing
             if direction is Direction.STORE:

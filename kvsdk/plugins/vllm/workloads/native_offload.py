@@ -10,9 +10,10 @@ events, metrics) and swaps in a worker that copies with torch on the host:
 - the "device" side is vLLM's canonical ``(num_blocks, page_bytes)`` int8 view
   of each KV tensor, the host side one ``(num_chunks, blocks_per_chunk *
   page_bytes)`` tensor per KV tensor (allocated lazily, like any host buffer);
-- a job is, per KV tensor of each group, one row gather (``index_select`` into
-  a reused staging buffer) and one row scatter (``index_copy_``), on 8-byte
-  words where the layout allows;
+- a job is, per KV tensor of each group, one call of kvsdk's own row copy
+  (:func:`kvsdk.transfer.cpu.copy_rows`: a strided ``copy_`` per run of rows
+  when runs are long, else a gather into a reused buffer and a scatter), on
+  8-byte words where the layout allows, so both connectors copy the same way;
 - loads run on the calling thread (they are done when ``submit_load`` returns:
   on a CPU the copy shares cores with compute, and a copy thread would queue
   behind the model runner for the GIL); stores run in submission order on one
@@ -46,6 +47,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -59,6 +61,8 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+from kvsdk.transfer.cpu import STAGE_BYTES, copy_rows
 
 __all__ = ["TorchCPUOffloadingSpec", "TorchCPUOffloadingWorker"]
 
@@ -146,15 +150,15 @@ class TorchCPUOffloadingWorker(OffloadingWorker):
         assert g_off == len(gpu.block_ids) and h_off == len(host.block_ids)
         return plan
 
-    def _staging(self, store: bool, like: torch.Tensor, rows: int) -> torch.Tensor:
+    def _staging(self, store: bool, like: torch.Tensor) -> torch.Tensor:
         """A reused gather buffer per direction (stores and loads run on different
-        threads): a fresh multi-MiB temporary per copy would cost page faults."""
+        threads), sized as kvsdk's CPU worker sizes its own."""
         key = (store, like.dtype, like.shape[1])
         buf = self._stage.get(key)
-        if buf is None or buf.shape[0] < rows:
-            buf = torch.empty((rows, like.shape[1]), dtype=like.dtype)
-            self._stage[key] = buf
-        return buf[:rows]
+        if buf is None:
+            rows = max(1, STAGE_BYTES // (like.shape[1] * like.element_size()))
+            buf = self._stage[key] = torch.empty((rows, like.shape[1]), dtype=like.dtype)
+        return buf
 
     def _run(
         self, job_id: int, plan: list[tuple[int, torch.Tensor, torch.Tensor]], store: bool
@@ -167,9 +171,7 @@ class TorchCPUOffloadingWorker(OffloadingWorker):
                 src, src_ids, dst, dst_ids = (
                     (dev, dev_ids, host, host_ids) if store else (host, host_ids, dev, dev_ids)
                 )
-                stage = self._staging(store, src, len(src_ids))
-                torch.index_select(src, 0, src_ids, out=stage)
-                dst.index_copy_(0, dst_ids, stage)
+                copy_rows(src, src_ids, dst, dst_ids, partial(self._staging, store, src))
                 nbytes += len(dev_ids) * self.page_bytes[t]
         return TransferResult(job_id, True, nbytes, time.perf_counter() - start)
 
