@@ -200,6 +200,15 @@ class Backend(ABC):
         "entries": n, "bytes": b, ...}]``. Empty for process-local tiers."""
         return []
 
+    @classmethod
+    def wipe(cls, options: Any, namespace: str | None = None) -> int:
+        """Delete what a tier configured with ``options`` holds: every
+        namespace, or only ``namespace`` (its hex name, as ``inventory``
+        reports it); returns the entries deleted. For ``kvsdk clear`` only:
+        an engine's reset never wipes a shared tier. Nothing for
+        process-local tiers."""
+        return 0
+
 
 class HostTier(Backend):
     """A host-memory tier with addressable slots (one chunk per slot).

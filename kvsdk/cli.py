@@ -1,4 +1,4 @@
-"""``kvsdk`` command line: the core's commands (config, inspect, plugins, bench core).
+"""``kvsdk`` command line: the core's commands (config, inspect, clear, plugins, bench core).
 
 Every other command comes from a plugin through the ``kvsdk_register_commands``
 hook (:mod:`kvsdk.commands`): the engine adapters add theirs (``kvsdk demo``,
@@ -17,6 +17,7 @@ from pathlib import Path
 from kvsdk import plugins_manager
 from kvsdk.commands import CommandRegistry
 from kvsdk.config import ConfigError, KVSDKConfig, dump_json_schema, load_config
+from kvsdk.trust import redact
 
 
 def _config_check(args: argparse.Namespace) -> int:
@@ -24,7 +25,7 @@ def _config_check(args: argparse.Namespace) -> int:
     try:
         cfg = load(Path(args.file))
     except ConfigError as exc:
-        print(f"{args.file}: {exc}", file=sys.stderr)
+        print(f"{args.file}: {redact(str(exc))}", file=sys.stderr)
         return 2
     for warning in _config_warnings(cfg):
         print(f"{args.file}: warning: {warning}", file=sys.stderr)
@@ -77,7 +78,7 @@ def _inspect(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(Path(args.config))
     except ConfigError as exc:
-        print(f"{args.config}: {exc}", file=sys.stderr)
+        print(f"{args.config}: {redact(str(exc))}", file=sys.stderr)
         return 2
     backends = plugins_manager.backends()
     report = []
@@ -88,7 +89,7 @@ def _inspect(args: argparse.Namespace) -> int:
             try:
                 rows = cls.inventory(tier.options)
             except Exception as exc:  # an unreachable tier is reported, then exit 1
-                error = f"{type(exc).__name__}: {exc}"
+                error = f"{type(exc).__name__}: {redact(str(exc))}"
         report.append(
             {
                 "tier": i,
@@ -117,6 +118,38 @@ def _inspect(args: argparse.Namespace) -> int:
                 f"  namespace {row['namespace']}: {row['entries']} chunks, "
                 f"{row['bytes'] / 2**20:.1f} MiB {extra if extra else ''}".rstrip()
             )
+    return 1 if failed else 0
+
+
+def _clear(args: argparse.Namespace) -> int:
+    """The full wipe of a config's shared tiers (an engine's reset never does it)."""
+    try:
+        cfg = load_config(Path(args.config))
+    except ConfigError as exc:
+        print(f"{args.config}: {redact(str(exc))}", file=sys.stderr)
+        return 2
+    backends = plugins_manager.backends()
+    what = f"namespace {args.namespace}" if args.namespace else "every namespace"
+    if not args.yes:
+        print(
+            f"{args.config}: would delete {what} from every disk and Redis tier it names, "
+            "for every engine sharing them; run again with --yes to do it",
+            file=sys.stderr,
+        )
+        return 2
+    failed = 0
+    for i, tier in enumerate(cfg.tiers):
+        try:
+            n = backends[tier.backend].wipe(tier.options, args.namespace)
+        except Exception as exc:  # an unreachable tier is reported, then exit 1
+            print(
+                f"{args.config}: tiers[{i}] ({tier.backend}): "
+                f"{type(exc).__name__}: {redact(str(exc))}",
+                file=sys.stderr,
+            )
+            failed += 1
+            continue
+        print(f"tier {i}: {tier.backend}: {n} chunks deleted ({what})")
     return 1 if failed else 0
 
 
@@ -184,6 +217,15 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_p.add_argument("--json", action="store_true")
     inspect_p.set_defaults(func=_inspect)
 
+    clear = sub.add_parser(
+        "clear",
+        help="delete what a config's shared tiers (disk, Redis) hold, for every engine sharing them",
+    )
+    clear.add_argument("config")
+    clear.add_argument("--namespace", help="only this namespace (its hex name, see inspect)")
+    clear.add_argument("--yes", action="store_true", help="really delete (else: say what, exit 2)")
+    clear.set_defaults(func=_clear)
+
     plugins = sub.add_parser("plugins", help="list installed plugins and the hooks they implement")
     plugins.add_argument("--json", action="store_true")
     plugins.set_defaults(func=_plugins)
@@ -216,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except ConfigError as exc:
-        print(f"kvsdk: {exc}", file=sys.stderr)
+        print(f"kvsdk: {redact(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -116,6 +116,20 @@ class Namespace:
         return replace(self, secret=secret)
 
 
+def epoch_fingerprint(namespace_fp: bytes, epoch: bytes) -> bytes:
+    """The key-derivation key of one instance's ``epoch`` in a namespace: the
+    namespace's own for ``b""``, else a keyed BLAKE2b of the epoch. An
+    instance whose prefix cache is reset (vLLM also resets after a weight
+    update) moves to a fresh random epoch: its new keys name none of the
+    chunks stored before, by it or by anyone, while the other instances
+    sharing the tiers keep theirs (see ``docs/security.md``)."""
+    if not epoch:
+        return namespace_fp
+    h = hashlib.blake2b(digest_size=len(namespace_fp), key=namespace_fp, person=b"kvsdk-epoch")
+    h.update(epoch)
+    return h.digest()
+
+
 ROOT_HASH = bytes(CHAIN_HASH_BYTES)
 
 

@@ -622,6 +622,29 @@ class DiskBackend(Backend):
             out.append(row)
         return out
 
+    @classmethod
+    def wipe(cls, options: Any, namespace: str | None = None) -> int:
+        """Unlink every chunk file under ``path`` (or under its ``namespace``
+        directory); directories and anything not named like a chunk stay."""
+        root = os.path.abspath(options.path)
+        try:
+            dirs = [
+                e.path
+                for e in os.scandir(root)
+                if e.is_dir(follow_symlinks=False) and namespace in (None, e.name)
+            ]
+        except FileNotFoundError:
+            return 0
+        n = 0
+        for ns_dir in dirs:
+            for dirpath, _dirs, files in os.walk(ns_dir):
+                for name in files:
+                    if _ENTRY_RE.match(name):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(os.path.join(dirpath, name))
+                            n += 1
+        return n
+
     def __repr__(self) -> str:
         return f"DiskBackend({self._root!r}, capacity={self.options.capacity})"
 

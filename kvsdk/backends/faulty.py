@@ -209,6 +209,24 @@ class FaultyBackend(Backend):
     def close(self) -> None:
         self.inner.close()
 
+    @classmethod
+    def _inner(cls, options: FaultyOptions) -> tuple[type[Backend], Any]:
+        from kvsdk import plugins_manager
+        from kvsdk.config import build_tier_config
+
+        cfg = build_tier_config(options.wraps, "wraps")
+        return plugins_manager.backends()[cfg.backend], cfg.options
+
+    @classmethod
+    def inventory(cls, options: Any) -> list[dict[str, Any]]:
+        inner, inner_options = cls._inner(options)
+        return inner.inventory(inner_options)
+
+    @classmethod
+    def wipe(cls, options: Any, namespace: str | None = None) -> int:
+        inner, inner_options = cls._inner(options)
+        return inner.wipe(inner_options, namespace)
+
     def iter_keys(self) -> Iterator[ChunkKey]:
         return self.inner.iter_keys()
 

@@ -547,6 +547,36 @@ class RedisBackend(Backend):
             {"namespace": ns, "entries": e, "bytes": b} for ns, (e, b) in sorted(per_ns.items())
         ]
 
+    @classmethod
+    def wipe(cls, options: Any, namespace: str | None = None) -> int:
+        """UNLINK every ``kvsdk:*`` key (or ``kvsdk:<namespace>:*``), one key per
+        command (a cluster node refuses cross-slot UNLINK). Connects as
+        ``inventory`` does."""
+        url = _effective_url(options)
+        kwargs = _connection_kwargs(options, url)
+        kwargs.pop("max_connections")
+        client: Any = (
+            RedisCluster.from_url(url, **kwargs)
+            if options.cluster
+            else redis_py.Redis.from_url(url, **kwargs)
+        )
+        match = b"kvsdk:" + (namespace.encode() + b":*" if namespace else b"*")
+        n = 0
+        try:
+            batch: list[bytes] = []
+            for rkey in [*client.scan_iter(match=match, count=1000), None]:
+                if rkey is not None:
+                    batch.append(rkey)
+                if batch and (rkey is None or len(batch) >= 500):
+                    pipe = client.pipeline(transaction=False)
+                    for b in batch:
+                        pipe.unlink(b)
+                    n += sum(int(r) for r in pipe.execute())
+                    batch = []
+        finally:
+            client.close()
+        return n
+
     def close(self) -> None:
         try:
             if self._client is not None:

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvsdk.events import EventOrigin, KVEvent
-from kvsdk.keys import Namespace, chunk_keys, token_chunk_hashes
+from kvsdk.keys import Namespace, chunk_keys, epoch_fingerprint, token_chunk_hashes
 from kvsdk.ledger import JobLedger
 from kvsdk.metrics import Metrics
 from kvsdk.planner import LookupPlanner, PlanRequest
@@ -493,7 +494,15 @@ class OffloadScheduler:
         )
 
     def reset(self) -> frozenset[int]:
-        """Forget every stored chunk and in-flight job; returns ids to flush."""
+        """Forget every stored chunk and in-flight job; returns ids to flush.
+
+        Scoped to this instance: the host tier and in-flight state are
+        dropped, and the keys move to a fresh random epoch
+        (:func:`~kvsdk.keys.epoch_fingerprint`), so nothing stored before
+        the reset is served to this instance after it, while the shared
+        tiers keep every entry for the other instances (a full wipe is
+        ``kvsdk clear``)."""
+        self.ns_fp = epoch_fingerprint(self.namespace.fingerprint, os.urandom(16))
         flush = self.ledger.reset()
         # finished requests store nothing more: their KV predates the reset
         for req_id in [rid for rid, r in self._requests.items() if r.finished or r.engine_finished]:
@@ -502,8 +511,8 @@ class OffloadScheduler:
         self._awaiting_final_store.clear()
         for r in self._requests.values():
             r.next_store_chunk = [0] * len(self.groups)
-            if r.tail is not None:
-                r.tail.stored = False
+            r.keys = [[] for _ in self.groups]  # the new epoch's, derived again when needed
+            r.tail = None  # its key is the old epoch's
             self._set_next_store(r)
         # loads still in flight keep their slots pinned until they complete
         self._being_loaded.clear()

@@ -14,7 +14,10 @@ Primitives, in the order an adapter calls them:
 - ``touch(keys)``           recency for eviction
 - ``step()``                once per scheduler step: send batched lookups to
                              slower tiers, apply finished I/O, publish events
-- ``reset()``               nothing stored before it is served after it
+- ``reset()``               this instance's view is dropped (host tier,
+                             lookups, promotions); the shared tiers keep
+                             their entries (the scheduler's keys move to a
+                             new epoch, so none of them is served to it)
 
 Threading: every method runs on the scheduler thread, which owns the host
 index. The slower tiers (a :class:`~kvsdk.store.chain.TierChain`) are called
@@ -66,8 +69,6 @@ class IOKind(enum.Enum):
     """Pinned host entries → every slower tier."""
     DELETE = "delete"
     """Drop a tenant's excess from a slower tier."""
-    CLEAR = "clear"
-    """A reset's clear of every slower tier."""
 
 
 _HOLDS_SLOTS = (IOKind.WRITE, IOKind.PROMOTE)
@@ -126,8 +127,6 @@ class TieredStore:
         self._to_query: list[ChunkKey] = []
         self._io: list[_IO] = []
         self._generation = 0
-        self._clearing = False
-        """A reset's clear of the slower tiers is in flight: they are not asked."""
         self.chain = TierChain(
             self.lower, metrics=self.metrics, events=self.events, item_bytes=self._slot_bytes
         )
@@ -148,7 +147,7 @@ class TieredStore:
         if self.host.slot_of(key) is not None:
             self._hits += 1
             return LookupResult.HIT
-        if not self.lower or self._clearing:
+        if not self.lower:
             self._misses += 1
             return LookupResult.MISS
         remote = self._remote.get(key)
@@ -371,10 +370,6 @@ class TieredStore:
             except Exception as exc:  # a bug in a backend: never crash serving
                 log.exception("kvsdk I/O job failed: %s", exc)
                 result = None
-            if io.kind is IOKind.CLEAR:
-                if io.generation == self._generation:
-                    self._clearing = False
-                continue
             if io.generation != self._generation and io.kind in _HOLDS_SLOTS:
                 # issued before a reset: its host entries were kept only for it
                 if io.kind is IOKind.WRITE:
@@ -443,12 +438,16 @@ class TieredStore:
 
     # -- reset / shutdown -------------------------------------------------------------------
     def reset(self) -> None:
-        """Drop every entry of every tier without waiting for any of them.
+        """Drop this instance's view without waiting for any I/O: every host
+        entry, lookup, promotion and query in flight.
 
-        Host entries that in-flight I/O still reads or writes keep their slots
-        (never readable again) until that I/O finishes; slower tiers are
-        cleared on the I/O pool after the write-throughs issued before the
-        reset, and are not asked anything until then."""
+        The slower tiers are shared with other instances and are not touched:
+        their entries stay for everyone else (a full wipe is ``kvsdk clear``).
+        The adapter's keys move to a new epoch at a reset
+        (:meth:`kvsdk.scheduler.OffloadScheduler.reset`), so this instance is
+        served none of them. Host entries that in-flight I/O still reads or
+        writes keep their slots (never readable again) until that I/O
+        finishes. What each tenant wrote to a slower tier stays charged to it."""
         self._reap()
         self._generation += 1
         busy = [io for io in self._io if io.kind in _HOLDS_SLOTS]
@@ -456,21 +455,10 @@ class TieredStore:
         self._to_query.clear()
         self._lookup_counts.clear()
         self._store_tenant.clear()
-        self._lower_owned.clear()
         self.host.clear(keep=[k for io in busy for k in io.keys])
         self.events.reset()
-        if self.lower:
-            self._clearing = True
-            prior = [io.future for io in busy if io.kind is IOKind.WRITE]
-            self._submit(IOKind.CLEAR, [], self._clear_lower, prior)
-        for t in range(len(self.tiers)):
+        for t in range(len(self.tiers)):  # this instance's view of every tier is empty now
             self._record(EventKind.CLEARED, [], t)
-
-    def _clear_lower(self, prior: list[Future[Any]]) -> None:
-        """I/O thread: after the writes issued before a reset, clear every slower tier."""
-        for f in prior:
-            f.exception()
-        self.chain.clear()
 
     def shutdown(self) -> None:
         """Finish the I/O in flight, then close every tier. (The lifecycle hooks
