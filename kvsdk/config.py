@@ -139,11 +139,13 @@ class KVSDKConfig:
     """Salt mixed into the namespace: tenants never share chunks."""
     tenant_quotas: tuple[tuple[str, float], ...] = ()
     """Share of each tier a request tenant may hold (vLLM: the request's ``cache_salt``;
-    ``""`` for unsalted requests; ``"*"`` for any tenant not listed), e.g.
+    ``""`` for unsalted requests; ``"*"``: every tenant not listed, together), e.g.
     ``{"*": 0.5, "acme": 0.25}``. Over its share, a tenant's own oldest chunks go
-    first. Slower tiers count what this instance wrote against their byte
-    capacity (tiers without one, like Redis, are not shared out). Unlisted
-    tenants without ``"*"``: no limit."""
+    first. Unlisted tenants share the one ``"*"`` share and its accounting, so
+    rotating ``cache_salt`` cannot add up shares, and the state kept is one
+    account per listed tenant plus one. Slower tiers count what this instance
+    wrote against their byte capacity (tiers without one, like Redis, are not
+    shared out). Without ``"*"``, unlisted tenants have no limit."""
     model_id: str | None = None
     """Overrides the model identity the adapter derives (e.g. a weights digest)."""
     secret_file: str | None = None

@@ -215,13 +215,21 @@ class TieredStore:
         self.host.unpin(keys)
 
     # -- stores --------------------------------------------------------------------------
+    def quota_account(self, tenant: str) -> str:
+        """The account ``tenant`` is charged to: its own when ``tenant_quotas``
+        lists it, else the one ``"*"`` account every unlisted tenant shares (so
+        rotating salts neither adds up shares nor grows the accounting: one
+        account per listed tenant, plus one)."""
+        return tenant if tenant in self.tenant_quotas else "*"
+
     def quota_slots(self, tenant: str) -> int | None:
-        """Host slots ``tenant`` may hold, or None (no limit)."""
-        share = self.tenant_quotas.get(tenant, self.tenant_quotas.get("*"))
+        """Host slots ``tenant``'s account may hold, or None (no limit)."""
+        share = self.tenant_quotas.get(self.quota_account(tenant))
         return None if share is None else max(1, int(share * self.host.num_slots))
 
     def prepare_store(self, keys: Sequence[ChunkKey], tenant: str = "") -> StorePlan | None:
-        """``tenant`` is charged for the new entries (see ``tenant_quotas``)."""
+        """``tenant``'s account is charged for the new entries (see ``tenant_quotas``)."""
+        tenant = self.quota_account(tenant) if self.tenant_quotas else ""
         new = self.host.absent(keys)
         if self.min_lookups:
             new = [k for k in new if self._lookup_counts.get(k, 0) >= self.min_lookups]
@@ -294,7 +302,7 @@ class TieredStore:
     def _charge_lower(self, t: int, tenant: str, keys: list[ChunkKey]) -> None:
         """A tenant over its share of slower tier ``t`` loses its own oldest chunks there
         (shares count what this instance wrote; the tier's capacity as it declares it)."""
-        share = self.tenant_quotas.get(tenant, self.tenant_quotas.get("*"))
+        share = self.tenant_quotas.get(tenant)  # (an account: see quota_account)
         if share is None:
             return
         if t not in self._lower_capacity:

@@ -99,3 +99,41 @@ def pump(store: object) -> None:
         store.step()  # type: ignore[attr-defined]
         time.sleep(0.002)
     store.step()  # type: ignore[attr-defined]
+
+
+def test_rotating_salts_share_the_star_account_and_the_accounting_stays_bounded(
+    tmp_path: Path,
+) -> None:
+    cfg = load_config(
+        {
+            "tiers": [
+                {"backend": "cpu", "capacity": 20 * 64},
+                {"backend": "disk", "path": str(tmp_path), "capacity": 20 * 320},
+            ],
+            "tenant_quotas": {"*": 0.25, "vip": 0.5},
+        }
+    )
+    s = build_store(cfg, NS, 64)
+    assert put(s, "vip", [k("vip", i) for i in range(8)])
+    for i in range(200):  # a new cache_salt per request: one account for all of them
+        assert put(s, f"salt{i}", [k(f"s{i}", 0)])
+        pump(s)
+    host = s.host
+    assert host.usage("*") == 5  # 0.25 x 20 host slots, for every unlisted salt together
+    assert host.usage("vip") == 8
+    assert set(host._usage) == {"*", "vip"}  # (per-owner state: one per account)
+    assert set(host._owner.values()) <= {"*", "vip"}
+    assert {tenant for _, tenant in s._lower_owned} == {"*", "vip"}
+    assert all(len(owned) <= 10 for owned in s._lower_owned.values())
+    assert all(s.lookup(k("vip", i)) is LookupResult.HIT for i in range(8))
+    s.shutdown()
+
+
+def test_without_a_star_unlisted_salts_are_unlimited_but_share_one_account() -> None:
+    s = store_for({"vip": 0.25})
+    for i in range(15):
+        assert put(s, f"salt{i}", [k(f"s{i}", 0)])
+    host = s.host  # type: ignore[attr-defined]
+    assert host.usage("*") == 15
+    assert set(host._usage) == {"*"}
+    assert s.quota_slots("salt3") is None  # type: ignore[attr-defined]
