@@ -32,6 +32,9 @@ overrides it and says so in a class flag, so callers never probe with
                                   (``writev`` / ``readv``) when ``supports_scatter_gather``
 - ``capacity_bytes()``           bytes the tier may hold, or None (unbounded / unknown)
 - ``corrupt_count()``            integrity failures seen so far (grows, never shrinks)
+- ``error_count()``              I/O failures the tier absorbed itself (served as a
+                                  miss or a refused write instead of raising) so far;
+                                  the chain adds them to ``kvsdk_backend_errors_total``
 
 ``stats()`` is for display (metrics labels, ``kvsdk inspect``); nothing reads
 control values out of it.
@@ -140,6 +143,15 @@ class Backend(ABC):
         """Integrity failures (corrupt or foreign entries read) since start. The
         default reads a ``corrupt`` entry of ``stats()`` (older backends)."""
         return int(self.stats().get("corrupt", 0))
+
+    def error_count(self) -> int:
+        """I/O failures this tier absorbed (an unreachable server, a directory
+        that cannot be created, a read or write the OS refused: served as misses
+        or refused writes rather than raised) since start; grows, never
+        shrinks. An exception out of a call is counted by the caller and need
+        not be counted here. Asked after every call, so keep it cheap; the
+        default (0) suits a backend that raises its failures."""
+        return 0
 
     def close(self) -> None:
         return None

@@ -159,7 +159,8 @@ class DiskBackend(Backend):
         self._counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "puts", "put_skipped_present", "put_failures", "put_enospc",
              "put_eacces", "put_erofs", "put_other_errors", "put_too_large", "put_no_room",
-             "corrupt", "unverifiable", "rejected", "read_errors", "evictions", "deletes"), 0
+             "corrupt", "unverifiable", "rejected", "read_errors", "evictions", "deletes",
+             "errors"), 0
         )  # fmt: skip
         self._pool = (
             ThreadPoolExecutor(options.io_threads, thread_name_prefix="kvsdk-disk")
@@ -175,6 +176,7 @@ class DiskBackend(Backend):
             for shard in range(options.shards if options.shards > 1 else 0):
                 self._makedirs(os.path.join(self._root, f"{shard:0{self._shard_width}x}"))
         except OSError as exc:
+            self._count("errors")
             self._burst.warning("mkdir", "disk tier: cannot create %s (%s); stores will fail",
                                 self._root, exc.strerror)  # fmt: skip
         self._scan()
@@ -346,7 +348,7 @@ class DiskBackend(Backend):
                 self._reject(key, path, "a symlink")
                 return None
             if exc.errno != errno.ENOENT:
-                self._count("read_errors")
+                self._count("read_errors", "errors")
                 self._burst.warning("read", "disk tier: cannot open %s: %s", path, exc.strerror)
             with self._lock:
                 if _file_size(path) is None:  # (not published by a put meanwhile)
@@ -372,7 +374,7 @@ class DiskBackend(Backend):
                 with contextlib.suppress(OSError):  # read-only mount: fine
                     os.utime(fd)  # LRU order that survives restarts (coarse)
         except OSError as exc:
-            self._count("read_errors", "misses")
+            self._count("read_errors", "misses", "errors")
             self._burst.warning("read", "disk tier: cannot read %s: %s", path, exc.strerror)
             return None
         finally:
@@ -450,7 +452,7 @@ class DiskBackend(Backend):
             self._write_file(path, header, parts, key, size)
         except OSError as exc:
             kind = _ERRNO_STAT.get(exc.errno or 0, "other_errors")
-            self._count(f"put_{kind}", "put_failures")
+            self._count(f"put_{kind}", "put_failures", "errors")
             self._burst.warning(
                 f"put_{kind}", "disk tier: store refused in %s: %s", self._root, exc.strerror
             )
@@ -551,6 +553,10 @@ class DiskBackend(Backend):
     def corrupt_count(self) -> int:
         with self._lock:
             return self._counters["corrupt"]
+
+    def error_count(self) -> int:
+        with self._lock:
+            return self._counters["errors"]
 
     def close(self) -> None:
         if self._pool is not None:

@@ -206,6 +206,10 @@ class FaultyBackend(Backend):
         """The wrapped tier's, plus the injected faults its frame checks caught."""
         return self.inner.corrupt_count() + self.injected["caught_by_checks"]
 
+    def error_count(self) -> int:
+        """The wrapped tier's (injected errors raise: the caller counts them)."""
+        return self.inner.error_count()
+
     def close(self) -> None:
         self.inner.close()
 

@@ -202,7 +202,7 @@ class RedisBackend(Backend):
         self._burst = BurstLog(log)
         self._counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "corrupt", "unverifiable", "oversized", "puts", "put_failures", "deletes",
-             "skipped", "outages", "command_errors", "topology_refreshes"), 0
+             "skipped", "outages", "command_errors", "topology_refreshes", "errors"), 0
         )  # fmt: skip
         self._client: redis_py.Redis | None = None
         self._cluster: RedisCluster | None = None
@@ -230,6 +230,7 @@ class RedisBackend(Backend):
     def _outage(self, name: str, client: Any, exc: BaseException) -> None:
         pause = self._breaker(name).failed()
         self._count("outages")
+        self._count("errors")
         if client is not None:
             with contextlib.suppress(Exception):  # best effort on a broken pool
                 client.connection_pool.disconnect()  # stale sockets: reconnect after the pause
@@ -577,6 +578,12 @@ class RedisBackend(Backend):
             client.close()
         return n
 
+    def error_count(self) -> int:
+        """Outages (a server not answering, each one pausing it) and commands
+        the server refused."""
+        with self._lock:
+            return self._counters["errors"]
+
     def close(self) -> None:
         try:
             if self._client is not None:
@@ -595,6 +602,7 @@ class RedisBackend(Backend):
 
     def _command_error(self, op: str, exc: Exception) -> None:
         self._count("command_errors")
+        self._count("errors")
         self._burst.warning(f"cmd:{op}", "redis tier %s: %s refused: %s",
                             self._where, op.upper(), self._redact(str(exc)))  # fmt: skip
 

@@ -9,7 +9,8 @@ own threads.
 
 I/O primitives (any thread; a failing tier never raises: its answer is a
 miss or a refused write, counted in ``kvsdk_backend_errors_total`` and
-logged once per burst; every call is timed in ``kvsdk_backend_seconds``):
+logged once per burst, like the failures a tier absorbs itself and reports
+in ``error_count()``; every call is timed in ``kvsdk_backend_seconds``):
 
 - ``locate(keys)``                 the first tier holding each key
 - ``read_into(t, keys, outs)``     tier ``t``'s payloads into caller buffers
@@ -115,6 +116,9 @@ class TierChain:
         self._burst = BurstLog(log)
         self._known = [_KnownKeys(track_keys) for _ in self.tiers] if track_keys else []
         self._corrupt_seen = [self._corrupt_count(t) for t in self.numbers]
+        self._errors_seen = [0] * len(self.tiers)
+        for t in self.numbers:  # e.g. a directory the tier could not create at start
+            self._count_errors(t)
         self._copier = (
             ThreadPoolExecutor(1, thread_name_prefix="kvsdk-copy-up")
             if copy_up and len(self.tiers) > 1
@@ -226,10 +230,11 @@ class TierChain:
             self.metrics.observe(
                 "kvsdk_backend_seconds", time.perf_counter() - start, tier=t, op=op
             )
+        self._count_errors(t)
         return out
 
     def _failed(self, t: int, op: str, exc: BaseException) -> None:
-        self.metrics.inc("kvsdk_backend_errors_total", tier=t)
+        self._count_errors(t, raised=True)
         self._burst.warning(
             f"tier{t}-{op}",
             "tier %d (%s) %s failed, serving misses: %s",
@@ -244,6 +249,22 @@ class TierChain:
             return self.tier(t).corrupt_count()
         except Exception:
             return 0
+
+    def _count_errors(self, t: int, raised: bool = False) -> None:
+        """Failures tier ``t`` absorbed since last asked (its ``error_count()``)
+        → ``kvsdk_backend_errors_total``; a call that raised counts at least one
+        (a backend may count the failure it then raised: not twice)."""
+        try:
+            seen = self.tier(t).error_count()
+        except Exception:
+            seen = 0
+        with self.lock:
+            new = seen - self._errors_seen[t - 1]
+            if new > 0:
+                self._errors_seen[t - 1] = seen
+        n = max(new, 1) if raised else new
+        if n > 0:
+            self.metrics.inc("kvsdk_backend_errors_total", n, tier=t)
 
     def _count_corrupt(self, t: int) -> None:
         """Integrity failures tier ``t`` counted since last asked → metrics."""
