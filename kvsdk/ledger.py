@@ -22,13 +22,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvsdk.types import ChunkKey, JobId, ReqId
+from kvsdk.types import ChunkKey, JobId, ReqKey
 
 
 @dataclass(slots=True)
 class Job:
     job_id: JobId
-    req_id: ReqId
+    req_id: ReqKey
     is_store: bool
     keys: tuple[ChunkKey, ...]
     pending_workers: int
@@ -54,21 +54,21 @@ class JobLedger:
         self._next_id: JobId = 0
         self._stale_below: JobId = 0
         self._jobs: dict[JobId, Job] = {}
-        self._requests: dict[ReqId, _Request] = {}
+        self._requests: dict[ReqKey, _Request] = {}
         self._block_fences: dict[int, set[JobId]] = {}
         self._allocated_this_step: set[int] = set()
         self._flush_this_step: set[JobId] = set()
 
     # -- queries -------------------------------------------------------------------
-    def has_jobs(self, req_id: ReqId) -> bool:
+    def has_jobs(self, req_id: ReqKey) -> bool:
         r = self._requests.get(req_id)
         return bool(r and r.jobs)
 
-    def has_store_jobs(self, req_id: ReqId) -> bool:
+    def has_store_jobs(self, req_id: ReqKey) -> bool:
         r = self._requests.get(req_id)
         return bool(r and any(self._jobs[j].is_store for j in r.jobs))
 
-    def jobs_of(self, req_id: ReqId) -> frozenset[JobId]:
+    def jobs_of(self, req_id: ReqKey) -> frozenset[JobId]:
         r = self._requests.get(req_id)
         return frozenset(r.jobs) if r else frozenset()
 
@@ -86,11 +86,11 @@ class JobLedger:
     def is_empty(self) -> bool:
         return not (self._jobs or self._block_fences or self._requests)
 
-    def tracked_requests(self) -> frozenset[ReqId]:
+    def tracked_requests(self) -> frozenset[ReqKey]:
         return frozenset(self._requests)
 
     # -- requests --------------------------------------------------------------------
-    def request_finished(self, req_id: ReqId) -> None:
+    def request_finished(self, req_id: ReqKey) -> None:
         """The engine finished (or aborted) the request and frees its blocks:
         its stores' deferred fences start being watched. The request stays
         tracked (its final stores may still be added) until ``forget``."""
@@ -102,7 +102,7 @@ class JobLedger:
             if not self._allocated_this_step.isdisjoint(job.deferred_fence_block_ids):
                 self._flush_this_step.add(jid)
 
-    def request_preempted(self, req_id: ReqId) -> None:
+    def request_preempted(self, req_id: ReqKey) -> None:
         """A preempted request's blocks are freed now: flush its stores."""
         r = self._requests.get(req_id)
         if r is not None:
@@ -138,7 +138,7 @@ class JobLedger:
         self._next_id += 1
         return jid
 
-    def add_load(self, req_id: ReqId, keys: Sequence[ChunkKey]) -> JobId:
+    def add_load(self, req_id: ReqKey, keys: Sequence[ChunkKey]) -> JobId:
         r = self._request(req_id)
         assert not r.jobs, f"load for {req_id} while it has jobs in flight"
         assert not r.finished, f"load for finished request {req_id}"
@@ -149,7 +149,7 @@ class JobLedger:
 
     def add_store(
         self,
-        req_id: ReqId,
+        req_id: ReqKey,
         keys: Sequence[ChunkKey],
         *,
         fenced_block_ids: Sequence[int] = (),
@@ -211,7 +211,17 @@ class JobLedger:
         self._flush_this_step = flush
         return set(flush)
 
-    def forget(self, req_id: ReqId) -> None:
+    def rename(self, old: ReqKey, new: ReqKey) -> None:
+        """File request ``old`` (its jobs included) as ``new`` from now on."""
+        r = self._requests.pop(old, None)
+        if r is None:
+            return
+        assert new not in self._requests, f"rename onto tracked request {new!r}"
+        self._requests[new] = r
+        for jid in r.jobs:
+            self._jobs[jid].req_id = new
+
+    def forget(self, req_id: ReqKey) -> None:
         """No more jobs will be added for this request: stop tracking it once
         its jobs in flight complete."""
         r = self._requests.get(req_id)
@@ -220,7 +230,7 @@ class JobLedger:
             self._maybe_forget(req_id)
 
     # -- internals -------------------------------------------------------------------------
-    def _request(self, req_id: ReqId) -> _Request:
+    def _request(self, req_id: ReqKey) -> _Request:
         r = self._requests.get(req_id)
         if r is None:
             r = self._requests[req_id] = _Request()
@@ -244,7 +254,7 @@ class JobLedger:
             if not pending:
                 del self._block_fences[bid]
 
-    def _maybe_forget(self, req_id: ReqId) -> None:
+    def _maybe_forget(self, req_id: ReqKey) -> None:
         r = self._requests.get(req_id)
         if r is not None and r.forget_when_idle and not r.jobs:
             del self._requests[req_id]

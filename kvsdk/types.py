@@ -15,6 +15,10 @@ ChunkKey = bytes
 chain up to the chunk's last token, and the KV group index (see keys.py)."""
 
 ReqId = str
+ReqKey = ReqId | tuple[ReqId, int]
+"""How the scheduler files a request: its id while it is live; ``(id, n)``
+once the engine reused the id of a finished request whose stores or final
+step were still pending (that one is then the n-th incarnation retired)."""
 JobId = int
 
 

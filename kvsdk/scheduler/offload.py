@@ -24,7 +24,7 @@ from kvsdk.scheduler.tail import (
 )
 from kvsdk.store.tiered import TieredStore
 from kvsdk.transfer import BlockCopies, Direction, TransferJob
-from kvsdk.types import ChunkKey, KVGroupSpec, ReqId
+from kvsdk.types import ChunkKey, KVGroupSpec, ReqId, ReqKey
 
 
 class OffloadScheduler:
@@ -63,15 +63,19 @@ class OffloadScheduler:
         self.ledger = JobLedger(num_workers)
         self.max_load_tokens = max_load_tokens
         self.blocks_rewritten_before_flush = blocks_rewritten_before_flush
-        self._requests: dict[ReqId, RequestState] = {}
+        self._requests: dict[ReqKey, RequestState] = {}
+        self._retired = 0
+        """Incarnations retired so far (a reused id: see :meth:`add_request`)."""
+        self._finishing: dict[ReqId, list[ReqKey]] = {}
+        """Per id, retired incarnations the engine finished whose final step is next."""
         self._being_loaded: dict[ChunkKey, int] = {}
         """Chunks that loads in flight copy out of, with how many loads do."""
         self._step_loads: list[TransferJob] = []
         self._load_blocks: dict[int, frozenset[int]] = {}
         """Engine blocks each load job writes (reported back if the load fails)."""
-        self._loading_requests: set[ReqId] = set()
-        self._awaiting_final_store: set[ReqId] = set()
-        self.store_due: dict[ReqId, int] = {}
+        self._loading_requests: set[ReqKey] = set()
+        self._awaiting_final_store: set[ReqKey] = set()
+        self.store_due: dict[ReqKey, int] = {}
         """Per running request, the token count at which its next store is built
         (inside the prompt: the next chunk's end; past it, ``DECODE_STORE_CHUNKS``
         chunks later). An adapter may leave requests below it out of
@@ -97,7 +101,14 @@ class OffloadScheduler:
         see :meth:`hashes_grew`) or ``token_ids`` (kvsdk hashes them) identify
         the content. ``prompt_token_ids`` (with ``tail_salt``: whatever else
         changes the prompt's KV) enable the prompt's tail entry, where the
-        token ids alone name the tail's content (see :mod:`kvsdk.scheduler.tail`)."""
+        token ids alone name the tail's content (see :mod:`kvsdk.scheduler.tail`).
+
+        An id the engine reuses while its finished request is still tracked
+        (its final stores are next step, or stores are in flight) names a new
+        request: the old one is retired under ``(req_id, n)`` and finishes as
+        it would have; nothing of it (hashes, keys, blocks) reaches the new one."""
+        if req_id in self._requests:
+            self._retire(req_id)
         if block_hashes is None:
             if token_ids is None:
                 raise ValueError("add_request needs block_hashes or token_ids")
@@ -120,6 +131,43 @@ class OffloadScheduler:
                 for g, key in zip(self.groups, r.tail.keys):
                     self.store.events.annotate(key, EventOrigin(g.index, TAIL_CHUNK, b""))
         self._set_next_store(r)
+
+    def _retire(self, req_id: ReqId) -> None:
+        """File the finished request under ``req_id`` as ``(req_id, n)``."""
+        r = self._requests.pop(req_id)
+        assert r.finished or r.engine_finished, f"add_request of live request {req_id!r}"
+        self._retired += 1
+        key: ReqKey = (req_id, self._retired)
+        r.req_id = key
+        self._requests[key] = r
+        if req_id in self.store_due:
+            self.store_due[key] = self.store_due.pop(req_id)
+        if req_id in self._loading_requests:
+            self._loading_requests.discard(req_id)
+            self._loading_requests.add(key)
+        if req_id in self._awaiting_final_store:  # its final step is next: by this id
+            self._awaiting_final_store.discard(req_id)
+            self._awaiting_final_store.add(key)
+            self._finishing.setdefault(req_id, []).append(key)
+        self.ledger.rename(req_id, key)
+
+    def _incarnations(self, finished: Mapping[ReqId, int]) -> dict[ReqKey, int]:
+        """``build_step``'s ``finished`` by incarnation: each id's retired
+        incarnations the engine finished (with the tokens each reported), and
+        the live one unless the id was reused since."""
+        out: dict[ReqKey, int] = {}
+        for req_id, upto in finished.items():
+            retired = self._finishing.pop(req_id, None)
+            if retired is None:
+                out[req_id] = upto
+                continue
+            for key in retired:
+                t = self._requests[key].finish_tokens if key in self._requests else None
+                out[key] = upto if t is None else t
+            live = self._requests.get(req_id)
+            if live is not None and live.engine_finished:
+                out[req_id] = upto if live.finish_tokens is None else live.finish_tokens
+        return out
 
     def hashes_grew(self, req_id: ReqId, block_hashes: Sequence[bytes]) -> None:
         """The engine hashed more full blocks of a request (``block_hashes``: all
@@ -158,7 +206,10 @@ class OffloadScheduler:
         self.store_due[r.req_id] = due
 
     def has_request(self, req_id: ReqId) -> bool:
-        return req_id in self._requests
+        """Whether ``req_id`` names a live request (one the engine has not
+        finished): a finished one's id names a new request when added again."""
+        r = self._requests.get(req_id)
+        return r is not None and not (r.finished or r.engine_finished)
 
     # -- lookup -------------------------------------------------------------------------
     def lookup(
@@ -274,6 +325,8 @@ class OffloadScheduler:
         commit point); ``reallocated_block_ids``: other blocks written this
         step (e.g. copy-on-write destinations).
         """
+        # by incarnation (an id reused since its request finished names two)
+        done = self._incarnations(finished) if self._finishing else dict[ReqKey, int](finished)
         replace = set(replace_block_ids)
         for req_id, groups in new_block_ids.items():
             r = self._requests.get(req_id)
@@ -291,8 +344,8 @@ class OffloadScheduler:
             if r is not None:
                 for ids in r.block_ids:
                     ids.clear()
-        for req_id in finished:
-            self.ledger.request_finished(req_id)
+        for key in done:
+            self.ledger.request_finished(key)
         self.ledger.collect_fence_flushes()
         candidates: dict[str, list[tuple[RequestState, list[Sequence[int]], list[ChunkKey]]]] = {}
         requests = self._requests
@@ -306,8 +359,8 @@ class OffloadScheduler:
                     candidates.setdefault(r.tenant, []).append((r, *found))
                 if self._tail_due(r, upto):
                     tails.append(r)
-        for req_id, upto in finished.items():
-            r = requests.get(req_id)
+        for key, upto in done.items():
+            r = requests.get(key)
             if r is None:
                 continue
             if upto >= r.next_store_at and (found := self._store_candidates(r, upto)) is not None:
@@ -317,8 +370,8 @@ class OffloadScheduler:
         stores = [job for tenant, cs in candidates.items() for job in self._store_jobs(tenant, cs)]
         stores += [job for r in tails if (job := self._tail_store_job(r)) is not None]
         self._flush_metrics()
-        for req_id in finished:
-            self._finish(req_id)
+        for key in done:
+            self._finish(key)
         loads, self._step_loads = tuple(self._step_loads), []
         flush = frozenset(self.ledger.end_step())
         if flush and self.blocks_rewritten_before_flush:
@@ -459,6 +512,7 @@ class OffloadScheduler:
         if r is None:
             return False
         r.engine_finished = True
+        r.finish_tokens = num_tokens
         self._awaiting_final_store.add(req_id)
         if r.deferred_since is not None:
             self.metrics.observe(
@@ -471,7 +525,7 @@ class OffloadScheduler:
         )
         return final_store_due or self.ledger.has_store_jobs(req_id)
 
-    def _finish(self, req_id: ReqId) -> None:
+    def _finish(self, req_id: ReqKey) -> None:
         self._awaiting_final_store.discard(req_id)
         self.store_due.pop(req_id, None)  # it stores nothing more
         self.ledger.forget(req_id)
@@ -484,7 +538,9 @@ class OffloadScheduler:
 
     # -- housekeeping ---------------------------------------------------------------------------
     def job_request(self, job_id: int) -> ReqId:
-        return self.ledger.job(job_id).req_id
+        """The engine's id of the request a job belongs to."""
+        key = self.ledger.job(job_id).req_id
+        return key if isinstance(key, str) else key[0]
 
     def has_pending_work(self) -> bool:
         return (
@@ -509,6 +565,7 @@ class OffloadScheduler:
             del self._requests[req_id]
             self.store_due.pop(req_id, None)
         self._awaiting_final_store.clear()
+        self._finishing.clear()
         for r in self._requests.values():
             r.next_store_chunk = [0] * len(self.groups)
             r.keys = [[] for _ in self.groups]  # the new epoch's, derived again when needed

@@ -9,12 +9,12 @@ from typing import NamedTuple
 
 from kvsdk.scheduler.tail import PromptTail
 from kvsdk.transfer import BlockCopies
-from kvsdk.types import ChunkKey, GroupKind, KVGroupSpec, ReqId, cdiv
+from kvsdk.types import ChunkKey, GroupKind, KVGroupSpec, ReqKey, cdiv
 
 
 @dataclass
 class RequestState:
-    req_id: ReqId
+    req_id: ReqKey
     num_prompt_tokens: int
     num_tokens: int
     hashes: list[bytes]
@@ -31,6 +31,8 @@ class RequestState:
     """Its final stores were built (``build_step`` saw it in ``finished``)."""
     engine_finished: bool = False
     """The engine reported it finished; its final stores come next step."""
+    finish_tokens: int | None = None
+    """Tokens whose KV the engine computed, as reported at its finish."""
     tail: PromptTail | None = None
     """The prompt's last, partial chunk as its own entry (see :mod:`kvsdk.scheduler.tail`)."""
 

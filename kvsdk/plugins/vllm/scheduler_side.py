@@ -106,6 +106,9 @@ class SchedulerSide:
             blocks_rewritten_before_flush=bool(getattr(vllm_config, "use_v2_model_runner", False)),
         )
         self.requests: dict[str, Request] = {}
+        """Requests vLLM may schedule (a finished one leaves at its finish)."""
+        self._finished_tokens: dict[str, int] = {}
+        """Finished requests not yet in a step's ``finished_req_ids``: tokens to store."""
         m = self.store.metrics
         self._transfer_hists = [
             (
@@ -160,7 +163,7 @@ class SchedulerSide:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         rid = request.request_id
-        if not self.core.has_request(rid):
+        if not self.core.has_request(rid):  # new, or an id reused after its request finished
             self.core.add_request(
                 rid,
                 num_prompt_tokens=request.num_prompt_tokens,
@@ -209,9 +212,8 @@ class SchedulerSide:
                 self.core.hashes_grew(rid, req.block_hashes)
         finished: dict[str, int] = {}
         for rid in so.finished_req_ids or ():
-            req = self.requests.pop(rid, None)
-            if req is not None:
-                finished[rid] = _computed_at_finish(req)
+            if rid in self._finished_tokens:
+                finished[rid] = self._finished_tokens.pop(rid)
         copies = [c.dst_block_id for c in (so.kv_cache_block_copies or ())]
         self.preemptions += len(so.preempted_req_ids or ())
         jobs = self.core.build_step(
@@ -266,9 +268,11 @@ class SchedulerSide:
         ``release`` (its stores read them; freed blocks may be zeroed or
         rewritten before a flush could run)."""
         rid = request.request_id
-        self.requests[rid] = request
+        if self.requests.get(rid) is request:
+            del self.requests[rid]  # the id may name a new request before the next step
+        tokens = self._finished_tokens[rid] = _computed_at_finish(request)
         self.core.hashes_grew(rid, request.block_hashes)
-        if not self.core.request_finished(rid, _computed_at_finish(request)):
+        if not self.core.request_finished(rid, tokens):
             return False
         self._held.add(rid)
         return True

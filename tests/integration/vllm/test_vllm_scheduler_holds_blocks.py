@@ -617,3 +617,41 @@ def test_end_to_end_the_blocks_stay_until_the_worker_copied_them(engine: Engine)
         assert np.asarray(c.engine_blocks).size == len(blocks)
     finally:
         w.shutdown()
+
+
+# -- a request id reused inside the finish window ------------------------------------------------
+
+
+def test_an_id_reused_before_its_finish_is_reported_is_a_new_request(engine: Engine) -> None:
+    """vLLM freed "c" at once and reports it in the next step's
+    ``finished_req_ids``; a new request with the id "c" arrives before that
+    step. It is a new request: its own prompt's hashes are looked up (a miss),
+    never the finished one's (which kvsdk holds: a load of the wrong KV)."""
+    e = engine
+    e.add("c", prompt_tokens=64, max_tokens=2)
+    so, meta = e.schedule()
+    (job,) = store_jobs(meta, "c")
+    e.output(so, completed={job.job_id: 1})
+    so, meta = e.schedule()
+    e.output(so)  # finishes; nothing left to store: its blocks are freed at once
+    assert e.finished_returned == {"c": False} and not e.holds("c")
+
+    other = [(i * 7 + 3) % 900 + 50 for i in range(64)]  # another prompt, the same id
+    new = Request(
+        "c",
+        other,
+        SamplingParams(max_tokens=1, ignore_eos=True),
+        None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
+    e.scheduler.add_request(new)
+    so, meta = e.schedule()
+    assert so.finished_req_ids == {"c"}  # the old one's finish, in the new one's first step
+    assert not meta.loads  # the old prompt's chunks are not offered to the new request
+    assert so.num_scheduled_tokens == {"c": 64}
+    (job,) = store_jobs(meta, "c")  # the new prompt's own chunks, from its own blocks
+    assert sorted(int(b) for c in job.copies for b in c.engine_blocks) == sorted(e.blocks_of("c"))
+    e.output(so, completed={job.job_id: 1})
+    so, meta = e.schedule()
+    e.output(so)
+    assert e.connector.sched.store.host.num_used == 4  # both prompts' two chunks each
