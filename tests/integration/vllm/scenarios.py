@@ -327,11 +327,18 @@ def main() -> None:
     elif scenario == "failing_loads":
         os.environ["KVSDK_TEST_FAILING_LOADS"] = "1"
         fail_every_load()
-        llm = make_llm(model, transfer="failing-loads")
+        import prometheus_client
+
+        llm = make_llm(model, transfer="failing-loads", log_stats=True)
         res["cold"] = generate(llm, P)
         reset(llm)
         res["failed_load"] = generate(llm, P)
         res["after"] = generate(llm, P)
+        res["metrics"] = [  # kvsdk's counters, through vLLM's stats path
+            line
+            for line in prometheus_client.generate_latest().decode().splitlines()
+            if line.startswith("vllm:kvsdk_")
+        ]
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     if "segments" in res:

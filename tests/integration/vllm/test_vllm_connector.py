@@ -139,6 +139,20 @@ def test_failed_loads_are_recomputed_and_never_change_the_output(
     r = run("failing_loads", model_dir, tmp_path)
     assert same(r["failed_load"], r["cold"])
     assert same(r["after"], r["cold"])
+    # kvsdk did offer the stored prefix (else nothing was loaded, nothing failed) ...
+    assert counter(r["metrics"], "vllm:kvsdk_hit_tokens_total") >= 192
+    # ... and the load of it failed, was counted, and was recomputed
+    assert counter(r["metrics"], "vllm:kvsdk_failed_jobs_total", "direction=load") >= 1
+    assert counter(r["metrics"], "vllm:kvsdk_failed_jobs_total", "direction=store") == 0
+
+
+def counter(lines: list[str], name: str, detail: str = "") -> float:
+    """The sum of ``name``'s samples (those whose labels mention ``detail``)."""
+    return sum(
+        float(ln.rsplit(" ", 1)[1])
+        for ln in lines
+        if ln.startswith(name + "{") and detail in ln.split("}", 1)[0]
+    )
 
 
 def test_hybrid_model_with_a_sliding_window_group_matches_bitwise(

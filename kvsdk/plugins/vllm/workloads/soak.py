@@ -3,9 +3,11 @@
 Many requests with shared prefixes and random lengths, aborts, preemptions
 (a small KV budget), cache resets, and a lower tier that injects errors,
 timeouts, dropped writes and corrupted/truncated reads. Afterwards: the job
-ledger is empty, no host slot is pinned or leaked, the host tier stayed within
-its capacity, and every finished request's greedy tokens equal a reference
-run of the same prompts without kvsdk (a separate engine, in a subprocess).
+ledger is empty, no host slot is pinned or leaked (every slot held is a
+readable entry), the host tier filled up and evicted, the disk tier's files
+stayed within its capacity, and every finished request's greedy tokens and
+their logprobs (within ``LOGPROB_TOL``) equal a reference run of the same
+prompts without kvsdk (a separate engine, in a subprocess).
 
 vLLM runs with its default executor: kvsdk's scheduler side lives in the
 EngineCore process. Its counters (tokens served, backend errors, failed jobs)
@@ -33,6 +35,11 @@ from typing import Any
 from kvsdk.plugins.vllm.workloads import use_cpu_engine_defaults
 
 HOST_CAPACITY = 4 << 20  # small on purpose: evictions and promotions from the faulty tier
+DISK_CAPACITY = 16 << 20  # small as well: the disk tier evicts, its files must stay within it
+LOGPROB_TOL = 1e-3
+"""Largest difference of a sampled token's logprob from the reference's: KV loaded
+from kvsdk is the bytes the engine computed, but a prefix hit changes the batch
+shapes of what is computed after it (float32 sums in another order)."""
 
 
 def workload(n: int, seed: int) -> list[dict[str, Any]]:
@@ -83,12 +90,13 @@ def make_llm(model: str, kvsdk_config: dict[str, Any] | None) -> Any:
 
 def drive(
     llm: Any, reqs: list[dict[str, Any]], *, aborts: bool, resets: bool, progress: Any = None
-) -> dict[str, list[int]]:
+) -> dict[str, dict[str, list[Any]]]:
+    """Per finished request: its greedy ``tokens`` and each one's ``logprobs``."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
-    outputs: dict[str, list[int]] = {}
+    outputs: dict[str, dict[str, list[Any]]] = {}
     wave = 24
     for w in range(0, len(reqs), wave):
         if resets and w and w % (4 * wave) == 0:  # every 96 requests
@@ -96,13 +104,15 @@ def drive(
         batch = reqs[w : w + wave]
         steps_seen: dict[str, int] = {}
         for r in batch:
-            sp = SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
+            sp = SamplingParams(
+                temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, logprobs=1
+            )
             engine.add_request(r["id"], TokensPrompt(prompt_token_ids=r["prompt"]), sp)
         pending = {r["id"]: r for r in batch}
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished and out.request_id in pending:
-                    outputs[out.request_id] = list(out.outputs[0].token_ids)
+                    outputs[out.request_id] = _tokens_and_logprobs(out.outputs[0])
                     del pending[out.request_id]
                     if progress:
                         progress(1)
@@ -123,6 +133,46 @@ def drive(
     return outputs
 
 
+def _tokens_and_logprobs(completion: Any) -> dict[str, list[Any]]:
+    tokens = [int(t) for t in completion.token_ids]
+    per_position = completion.logprobs or []
+    return {
+        "tokens": tokens,
+        "logprobs": [float(lp[t].logprob) for t, lp in zip(tokens, per_position)],
+    }
+
+
+def compare(
+    outputs: dict[str, dict[str, list[Any]]], reference: dict[str, dict[str, list[Any]]]
+) -> dict[str, Any]:
+    """Tokens equal, and each token's logprob within ``LOGPROB_TOL`` of the reference's."""
+    compared = [rid for rid in outputs if rid in reference]
+    mismatched = [rid for rid in compared if outputs[rid]["tokens"] != reference[rid]["tokens"]]
+    worst: dict[str, float] = {}  # per request whose tokens match: the largest difference
+    for rid in compared:
+        if rid in mismatched:
+            continue
+        ours, ref = outputs[rid]["logprobs"], reference[rid]["logprobs"]
+        if len(ours) != len(outputs[rid]["tokens"]) or len(ref) != len(ours):
+            worst[rid] = float("inf")  # a logprob missing: never a pass
+        else:
+            worst[rid] = max((abs(a - b) for a, b in zip(ours, ref, strict=True)), default=0.0)
+    off = [rid for rid, d in worst.items() if d > LOGPROB_TOL]
+    return {
+        "compared": len(compared),
+        "mismatches": len(mismatched),
+        "mismatched_ids": mismatched[:20],
+        "logprobs_compared": sum(len(reference[rid]["logprobs"]) for rid in compared),
+        "logprob_mismatches": len(off),
+        "logprob_mismatched_ids": off[:20],
+        "max_logprob_diff": max(worst.values(), default=0.0),
+    }
+
+
+def _disk_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def run_soak(model: str, n: int, seed: int, workdir: Path, progress: Any = None) -> dict[str, Any]:
     from kvsdk.plugins.vllm.workloads import stats_probe
 
@@ -140,7 +190,11 @@ def run_soak(model: str, n: int, seed: int, workdir: Path, progress: Any = None)
                 "drop_write_rate": 0.05,
                 "corrupt_read_rate": 0.05,
                 "truncate_rate": 0.02,
-                "wraps": {"backend": "disk", "path": str(workdir / "disk")},
+                "wraps": {
+                    "backend": "disk",
+                    "path": str(workdir / "disk"),
+                    "capacity": DISK_CAPACITY,
+                },
             },
         ],
     }
@@ -173,6 +227,10 @@ def run_soak(model: str, n: int, seed: int, workdir: Path, progress: Any = None)
         "tracked_requests": state["tracked_requests"],
         "pinned_host_entries": state["pinned_host_entries"],
         "host_slots_used": state["host_slots_used"],
+        "host_readable_entries": state["host_readable_entries"],
+        "host_evictions": state["host_evictions"],
+        "disk_capacity_bytes": DISK_CAPACITY,
+        "disk_bytes_used": _disk_bytes(workdir / "disk"),
         "host_slots": state["host_slots"],
         "host_capacity_bytes": HOST_CAPACITY,
         "host_bytes_used": state["host_slots_used"] * state["host_slot_bytes"],
@@ -248,20 +306,17 @@ def run_bench(model: str, n: int, seed: int, out: Path, *, progress: bool = True
             raise RuntimeError(f"reference run failed: {err[-2000:]}")
         reference = json.loads(ref_path.read_text())
     outputs = result.pop("outputs")
-    compared = [rid for rid in outputs if rid in reference]
-    mismatched = [rid for rid in compared if outputs[rid] != reference[rid]]
+    result.update(compare(outputs, reference))
     result.update(
         {
             "requests": n,
             "served": len(outputs),
-            "compared": len(compared),
-            "mismatches": len(mismatched),
-            "mismatched_ids": mismatched[:20],
             "leaks": result["ledger_jobs"]
             + result["ledger_fences"]
             + result["tracked_requests"]
             + result["pinned_host_entries"]
-            + result["pending_work"],
+            + result["pending_work"]
+            + (result["host_slots_used"] - result["host_readable_entries"]),  # slots stuck
         }
     )
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -279,11 +334,15 @@ def format_report(r: dict[str, Any]) -> str:
         f"requests served         {r['served']}",
         f"outputs compared        {r['compared']} (greedy tokens vs a run without kvsdk)",
         f"mismatches              {r['mismatches']}",
+        f"logprobs compared       {r['logprobs_compared']}: {r['logprob_mismatches']} off by "
+        f"more than {LOGPROB_TOL} (largest difference {r['max_logprob_diff']:.2e})",
         f"leaks                   {r['leaks']} (ledger jobs {r['ledger_jobs']}, fences "
         f"{r['ledger_fences']}, requests {r['tracked_requests']}, pinned host entries "
         f"{r['pinned_host_entries']}, work still pending {r['pending_work']})",
         f"host tier               {r['host_bytes_used'] / 2**20:.1f} / "
-        f"{r['host_capacity_bytes'] / 2**20:.1f} MiB used",
+        f"{r['host_capacity_bytes'] / 2**20:.1f} MiB used, {r['host_evictions']} evictions",
+        f"disk tier               {r['disk_bytes_used'] / 2**20:.1f} / "
+        f"{r['disk_capacity_bytes'] / 2**20:.1f} MiB on disk",
         f"tokens from kvsdk       {int(r['hit_tokens'])}",
         f"backend errors -> miss  {int(r['backend_errors'])}",
         f"elapsed                 {r['elapsed_s']:.1f} s",

@@ -179,6 +179,8 @@ def kvsdk_state(connector: KVSDKConnector) -> dict[str, Any]:
         "ledger_fences": core.ledger.num_fenced_blocks,
         "pinned_host_entries": int(host_stats["pinned_entries"]),
         "host_slots_used": host.num_used,
+        "host_readable_entries": sum(1 for _ in host.iter_keys()),
+        "host_evictions": int(host_stats.get("evictions", 0)),
         "host_slots": host.num_slots,
         "host_slot_bytes": int(host_stats["slot_bytes"]),
         "preemptions": side.preemptions,
