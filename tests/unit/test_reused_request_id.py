@@ -18,7 +18,11 @@ TPB = 4
 
 def make() -> OffloadScheduler:
     ns = Namespace("m", "float32", (GroupLayout((2, TPB, 1, 8), "float32"),), TPB)
-    store = build_store(load_config({"chunk_tokens": TPB, "tiers": [{"backend": "cpu"}]}), ns, 256)
+    store = build_store(
+        load_config({"chunk_tokens": TPB, "tiers": [{"backend": "cpu", "capacity": "1MiB"}]}),
+        ns,
+        256,
+    )
     return OffloadScheduler([KVGroupSpec(0, GroupKind.FULL_ATTENTION, TPB, 1)], ns, store)
 
 

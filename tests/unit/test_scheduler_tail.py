@@ -17,7 +17,7 @@ TPB = 4  # tokens per block = per chunk
 
 def make(kind: GroupKind = GroupKind.FULL_ATTENTION) -> OffloadScheduler:
     ns = Namespace("m", "float32", (GroupLayout((2, TPB, 1, 8), "float32"),), TPB)
-    store = build_store(load_config({"tiers": [{"backend": "cpu"}]}), ns, 256)
+    store = build_store(load_config({"tiers": [{"backend": "cpu", "capacity": "1MiB"}]}), ns, 256)
     window = 8 if kind is GroupKind.SLIDING_WINDOW else None
     return OffloadScheduler([KVGroupSpec(0, kind, TPB, 1, sliding_window_tokens=window)], ns, store)
 

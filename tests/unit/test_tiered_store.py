@@ -567,7 +567,9 @@ def test_store_handle_fires_startup_once_and_shutdown_once() -> None:
     pm = plugins_manager.plugin_manager()
     pm.register(recorder, name="kvsdk-test-lifecycle")
     try:
-        config = load_config({"chunk_tokens": 16, "tiers": [{"backend": "cpu"}]})
+        config = load_config(
+            {"chunk_tokens": 16, "tiers": [{"backend": "cpu", "capacity": "1MiB"}]}
+        )
         handle = StoreHandle(config)
         ns = Namespace(model="m", dtype="bf16", groups=(), tokens_per_chunk=16)
         store = handle.build_store(ns, SLOT)
