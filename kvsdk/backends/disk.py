@@ -68,6 +68,16 @@ from itertools import count, pairwise
 from typing import Any, TypeVar
 
 from kvsdk.backend import Backend, Buffer, TierContext
+from kvsdk.backends.disk_files import (
+    check_private_dir,
+    check_top_dir,
+    file_size,
+    flat_parts,
+    read_whole,
+    readv_all,
+    same_file,
+    write_all,
+)
 from kvsdk.burst_log import BurstLog
 from kvsdk.chunk_format import (
     FP_BYTES,
@@ -95,8 +105,6 @@ STALE_TMP_SECONDS = 3600.0
 """Temp files older than this are left-overs of a crashed writer; removed at start."""
 MTIME_REFRESH_SECONDS = 60.0
 """A hit refreshes a file's ``mtime`` (LRU order across restarts) when it is older."""
-IOV_MAX = 1024
-"""Most buffers one ``readv``/``writev`` call takes (Linux ``UIO_MAXIOV``)."""
 _ERRNO_STAT = {errno.ENOSPC: "enospc", errno.EACCES: "eacces", errno.EPERM: "eacces",
                errno.EROFS: "erofs", errno.EDQUOT: "enospc"}  # fmt: skip
 _T = TypeVar("_T")
@@ -171,7 +179,7 @@ class DiskBackend(Backend):
         top = os.path.abspath(options.path)
         try:
             os.makedirs(top, mode=0o700, exist_ok=True)
-            _check_top_dir(top)
+            check_top_dir(top)
             self._makedirs(self._root)
             for shard in range(options.shards if options.shards > 1 else 0):
                 self._makedirs(os.path.join(self._root, f"{shard:0{self._shard_width}x}"))
@@ -200,7 +208,7 @@ class DiskBackend(Backend):
         try:
             os.mkdir(path, 0o700)
         except FileExistsError:
-            _check_private_dir(path)
+            check_private_dir(path)
         self._made_dirs.add(path)
 
     # -- start-up scan ----------------------------------------------------------------
@@ -305,7 +313,7 @@ class DiskBackend(Backend):
         out = []
         for key in keys:
             with self._lock:  # the file and the index agree under the lock
-                size = _file_size(self._path(key))
+                size = file_size(self._path(key))
                 if size is not None and not self._plausible_size(size):
                     size = None  # not a frame of this namespace: a miss when read
                 if size is None:
@@ -351,7 +359,7 @@ class DiskBackend(Backend):
                 self._count("read_errors", "errors")
                 self._burst.warning("read", "disk tier: cannot open %s: %s", path, exc.strerror)
             with self._lock:
-                if _file_size(path) is None:  # (not published by a put meanwhile)
+                if file_size(path) is None:  # (not published by a put meanwhile)
                     self._forget_locked(key)
             self._count("misses")
             return None
@@ -367,9 +375,9 @@ class DiskBackend(Backend):
                 rejected = f"{size} bytes, not a frame size of this namespace"
             elif direct:
                 assert outs is not None
-                _readv_all(fd, [memoryview(header), *outs])
+                readv_all(fd, [memoryview(header), *outs])
             else:
-                whole = _read_whole(fd, size)
+                whole = read_whole(fd, size)
             if not rejected and time.time() - st.st_mtime > MTIME_REFRESH_SECONDS:
                 with contextlib.suppress(OSError):  # read-only mount: fine
                     os.utime(fd)  # LRU order that survives restarts (coarse)
@@ -401,7 +409,7 @@ class DiskBackend(Backend):
         with self._lock:
             if key in self._index:
                 self._policy.touch(key)
-            elif _same_file(path, st):  # stored by another process (not deleted meanwhile)
+            elif same_file(path, st):  # stored by another process (not deleted meanwhile)
                 self._add_locked(key, size)
                 self._evict_locked(0)
             fits = outs is None or direct
@@ -414,7 +422,7 @@ class DiskBackend(Backend):
     def put_parts(self, items: Sequence[tuple[ChunkKey, Sequence[memoryview]]]) -> list[bool]:
         """Like :meth:`put` of the joined parts (the same frame on disk), written
         with one ``writev`` from the parts as they are: no join, no copy."""
-        return self._map(self._put_one, [(k, _flat_parts(parts)) for k, parts in items])
+        return self._map(self._put_one, [(k, flat_parts(parts)) for k, parts in items])
 
     def _put_one(self, item: tuple[ChunkKey, Any]) -> bool:
         key, value = item
@@ -429,7 +437,7 @@ class DiskBackend(Backend):
         size = len(header) + nbytes
         path = self._path(key)
         with self._lock:
-            present = _file_size(path)  # ours or another process's
+            present = file_size(path)  # ours or another process's
             if present is not None:
                 if key in self._index:
                     self._policy.touch(key)
@@ -479,7 +487,7 @@ class DiskBackend(Backend):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
-                _write_all(fd, [memoryview(header), *payload])
+                write_all(fd, [memoryview(header), *payload])
                 if self.options.fsync:
                     os.fsync(fd)
             finally:
@@ -653,119 +661,6 @@ class DiskBackend(Backend):
 
     def __repr__(self) -> str:
         return f"DiskBackend({self._root!r}, capacity={self.options.capacity})"
-
-
-def _read_whole(fd: int, size: int) -> bytes:
-    """The whole file of ``size`` bytes (from ``fstat``, never from its contents).
-    ``os.read`` into a fresh ``bytes`` lets the kernel fault the pages in: a
-    zero-filled ``bytearray`` measured ~10x slower for 2 MiB chunks."""
-    data = os.read(fd, size)
-    if len(data) < size:  # > 2 GiB, or shrank under us (the frame check reports it)
-        parts = [data]
-        got = len(data)
-        while got < size:
-            more = os.read(fd, size - got)
-            if not more:
-                break
-            parts.append(more)
-            got += len(more)
-        data = b"".join(parts)
-    return data
-
-
-def _byte_view(buf: Any) -> memoryview:
-    """A flat byte view of a contiguous buffer (no copy)."""
-    mv = memoryview(buf)
-    return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
-
-
-def _file_size(path: str) -> int | None:
-    """The size of the regular file ``path`` (None: absent, or a symlink, FIFO, ...)."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return st.st_size if stat.S_ISREG(st.st_mode) else None
-
-
-def _check_top_dir(path: str) -> None:
-    """The tier's ``path``: a directory of this user's that nobody else can write to
-    (else another user could swap the namespace directory)."""
-    st = os.stat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"path: {path!r} is not a directory")
-    if st.st_uid != os.geteuid():
-        raise ValueError(
-            f"path: {path!r} belongs to uid {st.st_uid}; expected a directory of this user "
-            f"(uid {os.geteuid()}), e.g. a new one kvsdk creates with mode 0700"
-        )
-    if st.st_mode & 0o022:
-        raise ValueError(
-            f"path: {path!r} has mode {stat.S_IMODE(st.st_mode):04o}, writable by group or "
-            "others; expected a directory only this user can write to (chmod go-w)"
-        )
-
-
-def _check_private_dir(path: str) -> None:
-    """A namespace or shard directory: not a symlink, this user's, mode 0700."""
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"path: {path!r} exists and is not a directory (or is a symlink)")
-    if st.st_uid != os.geteuid():
-        raise ValueError(
-            f"path: {path!r} belongs to uid {st.st_uid}; expected this user's (uid "
-            f"{os.geteuid()}): remove it or use another path"
-        )
-    if st.st_mode & 0o077:
-        raise ValueError(
-            f"path: {path!r} has mode {stat.S_IMODE(st.st_mode):04o}; expected no access "
-            "for group and others (chmod 700)"
-        )
-
-
-def _same_file(path: str, st: os.stat_result) -> bool:
-    """``path`` still names the file ``st`` describes (not deleted or replaced)."""
-    try:
-        cur = os.lstat(path)
-    except OSError:
-        return False
-    return (cur.st_ino, cur.st_dev) == (st.st_ino, st.st_dev)
-
-
-def _flat_parts(parts: Sequence[Any]) -> list[memoryview]:
-    """Flat byte views of the parts of a payload (no copy)."""
-    return [_byte_view(p) for p in parts]
-
-
-def _readv_all(fd: int, parts: list[memoryview]) -> None:
-    """Fill ``parts`` from ``fd`` (at most ``IOV_MAX`` per call); a short file
-    leaves the rest unfilled (the frame check then fails on the checksum)."""
-    todo = [p for p in parts if p.nbytes]
-    i = 0
-    while i < len(todo):
-        n = os.readv(fd, todo[i : i + IOV_MAX])
-        if n == 0:
-            return
-        while i < len(todo) and n >= todo[i].nbytes:
-            n -= todo[i].nbytes
-            i += 1
-        if n:  # part of one buffer done: the rest of its bytes
-            todo[i] = _byte_view(todo[i])[n:]
-
-
-def _write_all(fd: int, parts: list[memoryview]) -> None:
-    """Write ``parts`` in order (at most ``IOV_MAX`` per ``writev``), retrying short writes."""
-    todo = [p for p in parts if p.nbytes]
-    i = 0
-    while i < len(todo):
-        n = os.writev(fd, todo[i : i + IOV_MAX])
-        if n == 0:
-            raise OSError(errno.EIO, "write made no progress")
-        while i < len(todo) and n >= todo[i].nbytes:
-            n -= todo[i].nbytes
-            i += 1
-        if n:  # part of one buffer done: the rest of its bytes
-            todo[i] = _byte_view(todo[i])[n:]
 
 
 @hookimpl

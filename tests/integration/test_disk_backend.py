@@ -26,8 +26,8 @@ from kvsdk.backends.disk import (
     STALE_TMP_SECONDS,
     DiskBackend,
     DiskOptions,
-    _readv_all,
 )
+from kvsdk.backends.disk_files import readv_all
 from kvsdk.chunk_format import HEADER_SIZE, encode_chunk
 from kvsdk.config import load_config
 from kvsdk.eviction import ARCPolicy
@@ -248,7 +248,7 @@ def test_short_reads_resume_inside_a_typed_buffer() -> None:
     t = threading.Thread(target=feed)
     t.start()
     try:
-        _readv_all(r, [memoryview(a), memoryview(b)])
+        readv_all(r, [memoryview(a), memoryview(b)])
     finally:
         t.join()
         os.close(r)
