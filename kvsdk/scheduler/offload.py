@@ -12,13 +12,12 @@ from kvsdk.keys import Namespace, chunk_keys, epoch_fingerprint, token_chunk_has
 from kvsdk.ledger import JobLedger
 from kvsdk.metrics import Metrics
 from kvsdk.planner import LookupPlanner, PlanRequest
-from kvsdk.scheduler.request import RequestState, chunks_to_store, load_copies, store_copies
+from kvsdk.scheduler.request import RequestState, chunks_to_store, load_copies
 from kvsdk.scheduler.steps import DECODE_STORE_CHUNKS, StepJobs, WorkerResult
+from kvsdk.scheduler.store_jobs import StoreJobs
 from kvsdk.scheduler.tail import (
     TAIL_CHUNK,
     prompt_tail,
-    tail_blocks_ready,
-    tail_copies,
     tail_lookup,
     tails_supported,
 )
@@ -61,6 +60,7 @@ class OffloadScheduler:
         self.planner = LookupPlanner(self.groups, tokens_per_hash=self.tokens_per_hash)
         self._tails = tails_supported(self.groups)
         self.ledger = JobLedger(num_workers)
+        self._jobs = StoreJobs(self.groups, store, self.ledger)
         self.max_load_tokens = max_load_tokens
         self.blocks_rewritten_before_flush = blocks_rewritten_before_flush
         self._requests: dict[ReqKey, RequestState] = {}
@@ -367,7 +367,9 @@ class OffloadScheduler:
                 candidates.setdefault(r.tenant, []).append((r, *found))
             if self._tail_due(r, upto):
                 tails.append(r)
-        stores = [job for tenant, cs in candidates.items() for job in self._store_jobs(tenant, cs)]
+        stores = [
+            job for tenant, cs in candidates.items() for job in self._jobs.store_jobs(tenant, cs)
+        ]
         stores += [job for r in tails if (job := self._tail_store_job(r)) is not None]
         self._flush_metrics()
         for key in done:
@@ -410,57 +412,10 @@ class OffloadScheduler:
 
     def _tail_store_job(self, r: RequestState) -> TransferJob | None:
         """The store of ``r``'s prompt tail (once per request: stored or not)."""
-        t = r.tail
-        assert t is not None
-        t.stored = True
+        assert r.tail is not None
+        r.tail.stored = True
         self._set_next_store(r)
-        if not tail_blocks_ready(t, self.groups, r.block_ids):
-            return None
-        plan = self.store.prepare_store(t.keys, r.tenant)
-        if plan is None or len(plan.keys) != len(t.keys):
-            if plan is not None and plan.keys:
-                self.store.complete_store(list(plan.keys), ok=False)  # release the part
-            return None  # stored already (or no room)
-        copies = tail_copies(t, self.groups, r.block_ids, plan.slots, t.end)
-        blocks = [b for c in copies for b in c.engine_blocks]
-        job_id = self.ledger.add_store(r.req_id, list(t.keys), deferred_fence_block_ids=blocks)
-        return TransferJob(job_id, Direction.STORE, tuple(copies))
-
-    def _store_jobs(
-        self, tenant: str, found: list[tuple[RequestState, list[Sequence[int]], list[ChunkKey]]]
-    ) -> list[TransferJob]:
-        """One tier reservation for the step's candidates (one per request
-        if the tier cannot take them all at once), then a job per request."""
-        plan = self.store.prepare_store([k for _, _, keys in found for k in keys], tenant)
-        if plan is None and len(found) > 1:
-            jobs = []
-            for item in found:
-                jobs += self._store_jobs(tenant, [item])
-            return jobs
-        if plan is None or not plan.keys:
-            return []
-        slot_of = dict(zip(plan.keys, plan.slots))
-        jobs = []
-        for r, chosen, _ in found:
-            job = self._store_job(r, chosen, slot_of)
-            if job is not None:
-                jobs.append(job)
-        return jobs
-
-    def _store_job(
-        self, r: RequestState, chosen: list[Sequence[int]], slot_of: dict[ChunkKey, int]
-    ) -> TransferJob | None:
-        """``r``'s store job for the chunks that got a slot (None: none did)."""
-        found = store_copies(r, self.groups, chosen, slot_of)
-        if found is None:
-            return None
-        job_id = self.ledger.add_store(
-            r.req_id,
-            found.keys,
-            fenced_block_ids=found.fenced,
-            deferred_fence_block_ids=found.deferred,
-        )
-        return TransferJob(job_id, Direction.STORE, found.copies)
+        return self._jobs.tail_job(r)
 
     # -- completions ----------------------------------------------------------------------------
     def worker_results(self, results: Iterable[WorkerResult]) -> set[int]:
