@@ -63,7 +63,7 @@ class KVSDKConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.layout: EngineLayout = engine_layout(vllm_config, kv_cache_config)
+            self.layout: EngineLayout = engine_layout(vllm_config, kv_cache_config, announce=True)
             recompute_failed_loads(vllm_config)
             self._sched = SchedulerSide(self.layout, vllm_config)
         else:

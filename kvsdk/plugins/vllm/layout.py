@@ -20,7 +20,6 @@ from kvsdk.trust import load_secret
 from kvsdk.types import GroupKind, KVGroupSpec, Locality
 
 log = logging.getLogger("vllm.kvsdk")  # shown by vLLM's own log handler
-_logged_sources: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -62,8 +61,10 @@ class RankLayout:
         return not self.replicated_across_tp or tp_rank == 0
 
 
-def load_engine_config(extra: dict[str, Any]) -> KVSDKConfig:
-    """``kv_connector_extra_config["config"]``: a YAML path, a YAML string or a mapping."""
+def load_engine_config(extra: dict[str, Any], *, announce: bool = False) -> KVSDKConfig:
+    """``kv_connector_extra_config["config"]``: a YAML path, a YAML string or a
+    mapping. ``announce``: log where it came from (the scheduler side does, once
+    per engine; its workers do not repeat it)."""
     source = extra.get("config")
     unknown = set(extra) - {"config"}
     if unknown:
@@ -78,8 +79,7 @@ def load_engine_config(extra: dict[str, Any]) -> KVSDKConfig:
     else:
         where = f"file {source}"
     cfg = load_config(source)
-    if where not in _logged_sources:
-        _logged_sources.add(where)
+    if announce:
         log.info(
             "kvsdk config from %s: tiers=%s chunk_tokens=%s",
             where,
@@ -258,13 +258,16 @@ def _stage_layer_ratio(vllm_config: Any, pp_rank: int) -> float:
     return max(counts) / max(1, counts[pp_rank])
 
 
-def engine_layout(vllm_config: Any, kv_cache_config: Any, *, pp_rank: int = 0) -> EngineLayout:
+def engine_layout(
+    vllm_config: Any, kv_cache_config: Any, *, pp_rank: int = 0, announce: bool = False
+) -> EngineLayout:
     """``kv_cache_config`` is the calling process's: the scheduler's (pipeline
-    stage 0's layers) or a worker's (its own stage's, ``pp_rank``)."""
+    stage 0's layers) or a worker's (its own stage's, ``pp_rank``). ``announce``:
+    log the config's source (the scheduler side, once per engine)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     kv_cfg = vllm_config.kv_transfer_config
-    cfg = load_engine_config(dict(kv_cfg.kv_connector_extra_config or {}))
+    cfg = load_engine_config(dict(kv_cfg.kv_connector_extra_config or {}), announce=announce)
     parallel = vllm_config.parallel_config
     check_process_layout(parallel)
     stage_ratio = _stage_layer_ratio(vllm_config, pp_rank)

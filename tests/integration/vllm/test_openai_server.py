@@ -108,6 +108,7 @@ def test_openai_server_serves_prefix_from_kvsdk(model: Path, tmp_path: Path) -> 
 
     first = _run(Server("kvsdk", model, tmp_path, str(config)), with_kvsdk)
     assert f"kvsdk config from file {config}" in first["log"]  # at vLLM's default level
+    assert first["log"].count("kvsdk config from") == 1  # once per engine, not per process
     # the only traceback is vLLM's own chat-template warm-up (the model has no tokenizer)
     log = first["log"]
     assert log.count("Traceback") == log.count("Chat template warmup failed"), log[-3000:]
