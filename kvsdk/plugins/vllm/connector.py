@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import vllm
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -31,6 +32,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from kvsdk.config import ConfigError
+from kvsdk.plugins.vllm import vllm_version_problem
 from kvsdk.plugins.vllm.layout import EngineLayout, engine_layout
 from kvsdk.plugins.vllm.messages import (
     KVSDKConnectorMetadata,
@@ -63,6 +66,9 @@ class KVSDKConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            # also where vLLM's general plugins are off and kvsdk came by module path
+            if (problem := vllm_version_problem(vllm.__version__)) is not None:
+                raise ConfigError(problem)
             self.layout: EngineLayout = engine_layout(vllm_config, kv_cache_config, announce=True)
             recompute_failed_loads(vllm_config)
             self._sched = SchedulerSide(self.layout, vllm_config)

@@ -655,3 +655,21 @@ def test_an_id_reused_before_its_finish_is_reported_is_a_new_request(engine: Eng
     so, meta = e.schedule()
     e.output(so)
     assert e.connector.sched.store.host.num_used == 4  # both prompts' two chunks each
+
+
+def test_an_unsupported_vllm_is_refused_when_the_connector_is_built(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also where vLLM's general plugins are off and the connector comes by
+    module path (vLLM then never runs the check kvsdk's plugin hooks into its
+    transfer config): the scheduler side names the version and refuses."""
+    import vllm
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvsdk.config import ConfigError
+
+    monkeypatch.setattr(vllm, "__version__", "0.31.2")
+    with pytest.raises(ConfigError, match=r"kvsdk supports vLLM .*this is vLLM 0\.31\.2"):
+        KVSDKConnector(
+            engine.scheduler.vllm_config, KVConnectorRole.SCHEDULER, engine.kv_cache_config
+        )
