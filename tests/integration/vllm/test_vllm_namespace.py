@@ -1,0 +1,75 @@
+"""What goes into the namespace of a vLLM engine's chunks, on vLLM's own config
+classes (a config.json only: no model is loaded): each input that changes what
+KV bytes mean changes the namespace (change one, share nothing), and a prefix
+hash that is not collision resistant is refused with a shared tier."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import LlamaConfig
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
+
+from kvsdk.config import ConfigError, load_config
+from kvsdk.plugins.vllm.layout import check_prefix_hash, meaning_of_kv
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("model") / "tiny-llama-config"
+    LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=1024,
+    ).save_pretrained(path)  # fmt: skip
+    return str(path)
+
+
+def config(model: str, *, hf_overrides: dict[str, Any] | None = None, **cache: Any) -> VllmConfig:
+    model_config = ModelConfig(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        seed=0,
+        max_model_len=1024,
+        **({"hf_overrides": hf_overrides} if hf_overrides else {}),
+    )
+    return VllmConfig(
+        model_config=model_config,
+        cache_config=CacheConfig(block_size=32, **cache),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def test_each_input_that_changes_the_meaning_of_kv_changes_the_namespace(
+    model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = dict(meaning_of_kv(config(model_dir)))
+    assert base == dict(meaning_of_kv(config(model_dir)))  # deterministic
+    variants = {
+        "hf_config": meaning_of_kv(config(model_dir, hf_overrides={"rope_theta": 5e5})),
+        "prefix_hash": meaning_of_kv(config(model_dir, prefix_caching_hash_algo="sha256_cbor")),
+    }
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "HND")
+    variants["kv_cache_layout"] = meaning_of_kv(config(model_dir))
+    for field, meaning in variants.items():
+        changed = {k for k, v in dict(meaning).items() if v != base[k]}
+        assert changed == {field}, (field, changed)
+
+
+def test_a_prefix_hash_that_is_not_collision_resistant_is_refused_with_a_shared_tier(
+    tmp_path: Path,
+) -> None:
+    shared = load_config(
+        {"tiers": [{"backend": "cpu"}, {"backend": "disk", "path": str(tmp_path)}]}
+    )
+    alone = load_config({"tiers": [{"backend": "cpu"}]})
+    for algorithm in ("xxhash", "xxhash_cbor"):
+        with pytest.raises(ConfigError, match=r"prefix_caching_hash_algo: got .*\['disk'\]"):
+            check_prefix_hash(algorithm, shared)
+        check_prefix_hash(algorithm, alone)  # one process's own host tier: no one to collide with
+    for algorithm in ("sha256", "sha256_cbor"):
+        check_prefix_hash(algorithm, shared)
