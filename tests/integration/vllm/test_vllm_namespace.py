@@ -1,7 +1,8 @@
-"""What goes into the namespace of a vLLM engine's chunks, on vLLM's own config
+"""What kvsdk makes of a vLLM engine's configuration, on vLLM's own config
 classes (a config.json only: no model is loaded): each input that changes what
-KV bytes mean changes the namespace (change one, share nothing), and a prefix
-hash that is not collision resistant is refused with a shared tier."""
+KV bytes mean changes the namespace (change one, share nothing); a prefix hash
+that is not collision resistant is refused with a shared tier; KV groups kvsdk
+cannot serve yet are refused at start."""
 
 from __future__ import annotations
 
@@ -9,11 +10,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from transformers import LlamaConfig
-from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
 
 from kvsdk.config import ConfigError, load_config
-from kvsdk.plugins.vllm.layout import check_prefix_hash, meaning_of_kv
+from kvsdk.plugins.vllm.layout import check_prefix_hash, engine_layout, meaning_of_kv
 
 pytestmark = pytest.mark.integration
 
@@ -73,3 +81,24 @@ def test_a_prefix_hash_that_is_not_collision_resistant_is_refused_with_a_shared_
         check_prefix_hash(algorithm, alone)  # one process's own host tier: no one to collide with
     for algorithm in ("sha256", "sha256_cbor"):
         check_prefix_hash(algorithm, shared)
+
+
+def test_a_model_with_mamba_layers_is_refused_at_start_with_one_sentence(model_dir: str) -> None:
+    """Hybrid models (attention + Mamba state) give vLLM a MambaSpec group; until
+    kvsdk stores and verifies Mamba states end to end, such a model never runs."""
+    vllm_config = config(model_dir)
+    vllm_config.kv_transfer_config = KVTransferConfig(
+        kv_connector="KVSDKConnector", kv_role="kv_both"
+    )
+    attention = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.float32)
+    mamba = MambaSpec(block_size=32, shapes=((3, 64), (4, 16, 16)), dtypes=(torch.float32,) * 2)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["model.layers.0.self_attn.attn"], attention),
+            KVCacheGroupSpec(["model.layers.1.mixer"], mamba),
+        ],
+    )
+    with pytest.raises(ConfigError, match=r"KV group 1: state-space \(Mamba\) layers"):
+        engine_layout(vllm_config, kv_cache_config)
