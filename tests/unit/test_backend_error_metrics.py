@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
 from kvsdk.config import load_config
 from kvsdk.keys import GroupLayout, Namespace
@@ -60,7 +59,6 @@ def look_and_save(store: TieredStore) -> None:
 
 def scraped(store: TieredStore, name: str) -> float:
     """The counter ``name{tier="1"}`` as Prometheus scrapes it."""
-    pytest.importorskip("prometheus_client")
     port = free_port()
     server = start_prometheus_exporter(store.metrics, port)
     try:

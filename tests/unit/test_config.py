@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 
@@ -338,13 +339,11 @@ def test_json_schema_is_json_serialisable() -> None:
 
 
 def test_json_schema_is_a_valid_draft_2020_12_schema() -> None:
-    jsonschema = pytest.importorskip("jsonschema")
     jsonschema.Draft202012Validator.check_schema(json_schema())
 
 
 @pytest.mark.parametrize("name", sorted(GOOD_CONFIGS))
 def test_json_schema_accepts_every_good_config(name: str) -> None:
-    jsonschema = pytest.importorskip("jsonschema")
     data = yaml.safe_load(GOOD_CONFIGS[name]) or {}
     load_config(data)  # the loader agrees it is good
     jsonschema.Draft202012Validator(json_schema()).validate(data)
@@ -365,7 +364,6 @@ def test_json_schema_accepts_every_good_config(name: str) -> None:
     ids=str,
 )
 def test_json_schema_rejects_bad_configs(bad: dict[str, Any]) -> None:
-    jsonschema = pytest.importorskip("jsonschema")
     validator = jsonschema.Draft202012Validator(json_schema())
     assert not validator.is_valid(bad)
     with pytest.raises(ConfigError):
@@ -373,7 +371,6 @@ def test_json_schema_rejects_bad_configs(bad: dict[str, Any]) -> None:
 
 
 def test_json_schema_accepts_every_size_the_loader_accepts() -> None:
-    jsonschema = pytest.importorskip("jsonschema")
     validator = jsonschema.Draft202012Validator(json_schema())
     for size in ["512MiB", "8GiB", "1.5GB", "4 KiB", "2k", "100", "8GIB", "1MIB"]:
         data = {"tiers": [{"backend": "cpu", "capacity": size}]}

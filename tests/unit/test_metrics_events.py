@@ -97,7 +97,6 @@ def _free_port() -> int:
 
 @pytest.fixture
 def exporter() -> Iterator[tuple[Metrics, str]]:
-    pytest.importorskip("prometheus_client")
     m = Metrics()
     port = _free_port()
     server, thread = start_prometheus_exporter(m, port)
