@@ -70,7 +70,7 @@ class StoreJobs:
             if plan is not None and plan.keys:
                 self.store.complete_store(list(plan.keys), ok=False)  # release the part
             return None
-        copies = tail_copies(t, self.groups, r.block_ids, plan.slots, t.end)
+        copies = tail_copies(t, self.groups, r.block_ids, plan.slots)
         blocks = [b for c in copies for b in c.engine_blocks]
         job_id = self.ledger.add_store(r.req_id, list(t.keys), deferred_fence_block_ids=blocks)
         return TransferJob(job_id, Direction.STORE, tuple(copies))

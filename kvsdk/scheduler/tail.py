@@ -88,15 +88,13 @@ def tail_copies(
     groups: Sequence[KVGroupSpec],
     block_ids: Sequence[Sequence[int]],
     slots: Sequence[int],
-    upto: int,
 ) -> list[BlockCopies]:
-    """Per group, the copies between the engine blocks holding tokens
-    ``[tail.start, upto)`` and the tail's slot (``slots[i]`` for group ``i``)."""
+    """Per group, the copies between the engine blocks holding the tail's tokens
+    and its slot (``slots[i]`` for group ``i``)."""
     out = []
     for gi, g in enumerate(groups):
         tpb = g.tokens_per_block
-        first = tail.start // tpb
-        eb = list(block_ids[gi][first : cdiv(upto, tpb)])
+        eb = list(block_ids[gi][tail.start // tpb : cdiv(tail.end, tpb)])
         out.append(BlockCopies(g.index, eb, [slots[gi]] * len(eb), list(range(len(eb)))))
     return out
 

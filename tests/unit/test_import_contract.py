@@ -61,14 +61,15 @@ def modules(dirs: dict[str, Path]) -> Iterator[tuple[str, Path]]:
         yield name, path
 
 
-def imported_names(module: str, path: Path) -> Iterator[tuple[int, str]]:
-    """``(line, module name)`` for every import in ``path``, relative ones resolved."""
+def imported_names(module: str, path: Path) -> Iterator[tuple[int, str, bool]]:
+    """``(line, module name, named as a string)`` for every import in ``path``,
+    relative ones resolved; the flag marks ``import_module("...")`` literals."""
     tree = ast.parse(path.read_text(), filename=str(path))
     is_pkg = path.name == "__init__.py"
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield node.lineno, alias.name
+                yield node.lineno, alias.name, False
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = module.split(".")
@@ -76,9 +77,9 @@ def imported_names(module: str, path: Path) -> Iterator[tuple[int, str]]:
                 target = ".".join([*base, node.module] if node.module else base)
             else:
                 target = node.module or ""
-            yield node.lineno, target
+            yield node.lineno, target, False
             for alias in node.names:  # `from pkg import submodule`
-                yield node.lineno, f"{target}.{alias.name}"
+                yield node.lineno, f"{target}.{alias.name}", False
         elif (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute | ast.Name)
@@ -88,17 +89,11 @@ def imported_names(module: str, path: Path) -> Iterator[tuple[int, str]]:
             and isinstance(node.args[0], ast.Constant)
             and isinstance(node.args[0].value, str)
         ):
-            yield node.lineno, node.args[0].value
+            yield node.lineno, node.args[0].value, True
 
 
 def _within(name: str, package: str) -> bool:
     return name == package or name.startswith(package + ".")
-
-
-def _by_string(path: Path, line: int) -> bool:
-    """Whether ``line`` names the module as a string (not an import statement)."""
-    text = path.read_text().splitlines()[line - 1]
-    return "import_module" in text or "__import__" in text
 
 
 def check(root: Path) -> list[Violation]:
@@ -107,7 +102,7 @@ def check(root: Path) -> list[Violation]:
         backend = _within(module, "kvsdk.backends")
         adapter = next((e for e in ENGINES if _within(module, f"kvsdk.plugins.{e}")), None)
         core = not backend and not _within(module, "kvsdk.plugins")
-        for line, name in imported_names(module, path):
+        for line, name, by_string in imported_names(module, path):
             engine = next((e for e in ENGINES if _within(name, e)), None)
             if core and engine:
                 out.append(Violation(module, line, name, "the core imports no engine"))
@@ -116,7 +111,7 @@ def check(root: Path) -> list[Violation]:
             elif (
                 core
                 and _within(name, "kvsdk.backends")
-                and not (module == "kvsdk.plugins_manager" and _by_string(path, line))
+                and not (module == "kvsdk.plugins_manager" and by_string)
             ):
                 out.append(
                     Violation(
