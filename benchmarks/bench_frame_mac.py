@@ -3,13 +3,18 @@ deployment secret, in the same run.
 
 Three figures, each a ratio *with MAC / without MAC* of wall time (1.0: free):
 
-- ``frame``: encode + decode of one chunk in memory (the raw cost of
-  HMAC-SHA256 against the default checksum, xxh3-128 or BLAKE2b-128);
+- ``frame``: encode + decode of one chunk in memory (the raw cost of the
+  keyed-BLAKE3 MAC against the default checksum, xxh3-128 or BLAKE2b-128);
 - ``disk_put_get``: a disk tier's ``put`` then ``get_into`` of every chunk
-  (page cache, the tiered store's batch size), framing and verification included;
+  (page cache, the tiered store's batch size), framing and verification
+  included; variants alternate per repeat, each in a fresh directory removed after;
 - ``host_hit``: a host-tier hit served by a ``cpu → disk`` TieredStore whose
   disk tier MACs its frames (the MAC is never on that path: goal <= 1.05).
 - ``redis_put_get`` (with ``--redis URL``): a Redis tier's ``put`` then ``get``.
+
+First it prints each checksum and MAC alone (GiB/s over one chunk): a put+get
+round trip runs the MAC over every byte twice, so ``ratio - 1`` is about
+``2 x (seconds per GiB of the MAC) / (seconds per GiB of the round trip without)``.
 
     python benchmarks/bench_frame_mac.py [--chunks 64] [--chunk-mib 2] [--repeat 5]
         [--redis redis://127.0.0.1:6379/0] [--out out/bench_frame_mac.json]
@@ -19,15 +24,19 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import hmac
 import json
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import blake3
 import numpy as np
+import xxhash
 
 from kvsdk.backend import TierContext
 from kvsdk.backends.disk import DiskBackend, DiskOptions
@@ -70,31 +79,48 @@ def frame_cost(payloads: list[bytes], repeat: int) -> dict[str, float]:
     return out
 
 
+def _keys(n: int) -> list[bytes]:
+    return [hashlib.blake2b(i.to_bytes(4, "little"), digest_size=16).digest() for i in range(n)]
+
+
+def _variants(r: int) -> tuple[tuple[str, DeploymentSecret | None], ...]:
+    """Without and with the secret, in alternating order per repeat: the
+    machine's state (dirty pages, caches, other load) falls on both alike."""
+    pair = (("without", None), ("with", SECRET))
+    return pair if r % 2 == 0 else pair[::-1]
+
+
 def disk_cost(payloads: list[bytes], repeat: int, root: Path) -> dict[str, float]:
-    out = {}
-    keys = [hashlib.blake2b(i.to_bytes(4, "little"), digest_size=16).digest()
-            for i in range(len(payloads))]  # fmt: skip
+    """Best put+get_into time of each variant; every repeat writes a fresh
+    directory and removes it afterwards, so neither variant pays for the other's
+    accumulated dirty pages (the old loop wrote 5 x 128 MiB per variant without
+    removing any, and the second variant measured the kernel's writeback)."""
+    keys = _keys(len(payloads))
     slots = [memoryview(bytearray(len(p))) for p in payloads]
-    for name, secret in (("without", None), ("with", SECRET)):
-        ns = namespace(len(payloads[0]), secret)
-        times = []
-        for r in range(repeat):
+    times: dict[str, list[float]] = {"without": [], "with": [], "put_without": [],
+                                     "put_with": []}  # fmt: skip
+    for r in range(repeat):
+        for name, secret in _variants(r):
+            ns = namespace(len(payloads[0]), secret)
             ctx = TierContext(
                 namespace_fp=ns.public_fp,
                 namespace_hex=ns.hex,
                 chunk_bytes=len(payloads[0]),
                 frame_key=ns.frame_key,
             )
-            d = DiskBackend(DiskOptions(path=str(root / f"{name}{r}"), shards=16), ctx)
+            path = root / f"{name}{r}"
+            d = DiskBackend(DiskOptions(path=str(path), shards=16), ctx)
             start = time.perf_counter()
             for i in range(0, len(keys), 16):
                 assert all(d.put(list(zip(keys[i : i + 16], payloads[i : i + 16]))))
+            mid = time.perf_counter()
             for i in range(0, len(keys), 16):
                 assert all(d.get_into(keys[i : i + 16], slots[i : i + 16]))
-            times.append(time.perf_counter() - start)
+            times[name].append(time.perf_counter() - start)
+            times[f"put_{name}"].append(mid - start)
             d.close()
-        out[name] = min(times)
-    return out
+            shutil.rmtree(path)
+    return {k: min(v) for k, v in times.items()}
 
 
 def host_hit_cost(payloads: list[bytes], repeat: int, root: Path) -> dict[str, float]:
@@ -133,25 +159,37 @@ def host_hit_cost(payloads: list[bytes], repeat: int, root: Path) -> dict[str, f
 def redis_cost(payloads: list[bytes], repeat: int, url: str) -> dict[str, float]:
     from kvsdk.backends.redis import RedisBackend, RedisOptions
 
-    out = {}
-    keys = [hashlib.blake2b(i.to_bytes(4, "little"), digest_size=16).digest()
-            for i in range(len(payloads))]  # fmt: skip
-    for name, secret in (("without", None), ("with", SECRET)):
-        ns = namespace(len(payloads[0]), secret)
-        ctx = TierContext(namespace_fp=ns.public_fp, namespace_hex=ns.hex,
-                          chunk_bytes=len(payloads[0]), frame_key=ns.frame_key)  # fmt: skip
-        r = RedisBackend(RedisOptions(url=url, socket_timeout=10.0), ctx)
-
-        def run(r: RedisBackend = r) -> None:
+    keys = _keys(len(payloads))
+    times: dict[str, list[float]] = {"without": [], "with": []}
+    for r in range(repeat):
+        for name, secret in _variants(r):
+            ns = namespace(len(payloads[0]), secret)
+            ctx = TierContext(namespace_fp=ns.public_fp, namespace_hex=ns.hex,
+                              chunk_bytes=len(payloads[0]), frame_key=ns.frame_key)  # fmt: skip
+            rb = RedisBackend(RedisOptions(url=url, socket_timeout=10.0), ctx)
+            start = time.perf_counter()
             for i in range(0, len(keys), 16):
-                assert all(r.put(list(zip(keys[i : i + 16], payloads[i : i + 16]))))
+                assert all(rb.put(list(zip(keys[i : i + 16], payloads[i : i + 16]))))
             for i in range(0, len(keys), 16):
-                assert all(v is not None for v in r.get(keys[i : i + 16]))
+                assert all(v is not None for v in rb.get(keys[i : i + 16]))
+            times[name].append(time.perf_counter() - start)
+            rb.clear()
+            rb.close()
+    return {k: min(v) for k, v in times.items()}
 
-        out[name] = best(run, repeat)
-        r.clear()
-        r.close()
-    return out
+
+def mac_rates(payload: bytes, repeat: int) -> dict[str, float]:
+    """GiB/s of each checksum and MAC alone over one chunk (what a frame adds per pass)."""
+    key = os.urandom(32)
+    view = memoryview(payload)
+    fns: dict[str, Callable[[], object]] = {
+        "xxh3-128": lambda: xxhash.xxh3_128(view).digest(),
+        "hmac-sha256": lambda: hmac.digest(key, view, "sha256"),
+        "keyed-blake3": lambda: blake3.blake3(view, key=key).digest(16),
+    }
+    gib = len(payload) * 16 / (1 << 30)
+    return {name: gib / best(lambda fn=fn: [fn() for _ in range(16)], repeat)
+            for name, fn in fns.items()}  # fmt: skip
 
 
 def main() -> None:
@@ -168,6 +206,9 @@ def main() -> None:
     payloads = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(args.chunks)]
     results: dict[str, Any] = {"chunk_bytes": size, "chunks": args.chunks,
                                "checksum_without_mac": CHECKSUM_NAME}  # fmt: skip
+    rates = mac_rates(payloads[0], args.repeat)
+    results["mac_gib_s"] = rates
+    print("alone, GiB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in rates.items()))
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         figures = {
@@ -179,6 +220,10 @@ def main() -> None:
             figures["redis_put_get"] = redis_cost(payloads, args.repeat, args.redis)
     gib = size * args.chunks / (1 << 30)
     for name, t in figures.items():
+        if "put_with" in t:
+            put_extra = f"put alone {t['put_without'] * 1e3:.1f} -> {t['put_with'] * 1e3:.1f} ms"
+            results[f"{name}_put"] = {"without_s": t["put_without"], "with_s": t["put_with"]}
+            print(f"{name:14s} {put_extra}")
         ratio = t["with"] / t["without"]
         results[name] = {"without_s": t["without"], "with_s": t["with"], "ratio": ratio}
         extra = ""

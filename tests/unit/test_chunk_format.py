@@ -199,3 +199,32 @@ def test_mutated_frames_never_decode(data: st.DataObject) -> None:
 def test_any_payload_round_trips(payload: bytes, algorithm: int) -> None:
     buf = encode_chunk(NS, KEY, payload, checksum=algorithm)
     assert bytes(decode_chunk(buf, namespace_fp=NS, key=KEY)) == payload
+
+
+# BLAKE3's official test vector (test_vectors.json in the BLAKE3 repository):
+# keyed_hash of the empty input under this 32-byte key, first 16 bytes.
+_BLAKE3_KEY = b"whats the Elvish word for friend"
+_BLAKE3_KEYED_EMPTY_128 = "92b2b75604ed3c761f9d6f62392c8a92"
+
+
+def test_frame_mac_is_keyed_blake3_per_its_published_vector() -> None:
+    """The MAC a secret puts in a frame is BLAKE3's keyed mode (not a look-alike):
+    the spec's known answer, and a frame's tag equals keyed BLAKE3 of exactly
+    the header up to the tag plus the payload."""
+    mac = cf._hasher(cf.CHECKSUM_BLAKE3_MAC_128, _BLAKE3_KEY)
+    assert mac.digest().hex() == _BLAKE3_KEYED_EMPTY_128
+    buf = frame(b"kv payload", mac_key=_BLAKE3_KEY)
+    header = parse_header(buf)
+    assert header.checksum_algorithm == cf.CHECKSUM_BLAKE3_MAC_128
+    mac = cf._hasher(cf.CHECKSUM_BLAKE3_MAC_128, _BLAKE3_KEY)
+    mac.update(buf[: HEADER_SIZE - 16])
+    mac.update(b"kv payload")
+    assert header.checksum == mac.digest()
+
+
+def test_retired_hmac_code_is_corrupt_under_a_secret() -> None:
+    """Code 3 (HMAC-SHA256, format version 3) is never accepted in this format."""
+    buf = bytearray(frame(b"kv", mac_key=_BLAKE3_KEY))
+    buf[7] = 3
+    with pytest.raises(CorruptChunk):
+        decode_chunk(buf, namespace_fp=NS, key=KEY, mac_key=_BLAKE3_KEY)

@@ -102,11 +102,13 @@ def test_keys_are_pinned_to_known_values() -> None:
     ns = Namespace("m", "float16", (GroupLayout((2, 16, 64), "float16"),), 16)
     hashes = token_chunk_hashes(list(range(32)), 16)
     keys = chunk_keys(ns.fingerprint, hashes, 0)
-    assert FORMAT_VERSION == 3
+    assert FORMAT_VERSION == 4
     assert [k.hex() for k in keys] == _GOLDEN_KEYS
 
 
-_GOLDEN_KEYS = ["34b9c9eb394a26702eb0d1e54b3c0e7e", "57412564875a6ef58a0a187c7741a232"]
+# FORMAT_VERSION 4 (frame MAC: keyed BLAKE3); version 3 gave
+# ["34b9c9eb394a26702eb0d1e54b3c0e7e", "57412564875a6ef58a0a187c7741a232"]
+_GOLDEN_KEYS = ["b1ff454a1d453ce2449c3cf9d2bb6ee5", "65c180a94605255d364f5d56dac388ba"]
 
 
 @pytest.mark.parametrize(
