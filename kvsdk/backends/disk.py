@@ -26,8 +26,14 @@ Contract with the tiered store (bytes in, bytes out; framing is ours):
   counted in ``stats()``, never an exception.
 - ``get(keys)`` returns the verified payload (a ``memoryview``, flat bytes) or
   ``None``. A frame that fails verification is a miss: counted, and the file
-  deleted. ``get_into(keys, slots)`` does the same straight into caller
-  buffers (no allocation, no copy): the fast way to promote into a host tier.
+  deleted. ``get_into(keys, slots)`` does the same into caller buffers (no
+  allocation): the fast way to promote into a host tier.
+- Every read has a deadline (``read_timeout``): it runs on the tier's own
+  ``read_workers`` threads (:mod:`kvsdk.backends.disk_reader`) and the caller
+  waits at most that long; a late read is a miss and an error, and a read
+  into a caller's buffer is verified in the reader thread's own buffer and
+  copied over only while the caller still waits (one memory copy; a late read
+  never writes into a slot that may hold another chunk by then).
 - Scatter/gather: ``put_parts`` writes a payload given as a list of buffers
   (a page lying in several regions of host memory) with one ``writev``, and
   ``get_into_parts`` reads one into a list of buffers with ``readv``; the
@@ -61,9 +67,11 @@ import re
 import stat
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import count, pairwise
 from typing import Any, TypeVar
 
@@ -76,8 +84,10 @@ from kvsdk.backends.disk_files import (
     read_whole,
     readv_all,
     same_file,
+    scatter_into,
     write_all,
 )
+from kvsdk.backends.disk_reader import STALLED, TIMED_OUT, DeadlineReader, Handoff
 from kvsdk.burst_log import BurstLog
 from kvsdk.chunk_format import (
     FP_BYTES,
@@ -88,7 +98,6 @@ from kvsdk.chunk_format import (
     decode_chunk,
     encode_header,
     parse_header,
-    verify_chunk,
 )
 from kvsdk.config import BYTES
 from kvsdk.eviction import EvictionPolicy, LRUPolicy
@@ -112,6 +121,18 @@ _R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
+class _Read:
+    """What a reader thread found: ``kind`` (ok, absent, open_error, rejected,
+    read_error, unverifiable, corrupt, abandoned) and its details."""
+
+    kind: str
+    detail: str = ""
+    st: os.stat_result | None = None
+    payload: memoryview | None = None
+    fits: bool = True
+
+
+@dataclass(frozen=True)
 class DiskOptions:
     path: str
     """Directory for the cache (created if missing); may be shared by processes."""
@@ -124,6 +145,14 @@ class DiskOptions:
     io_threads: int = 1
     """Threads for per-file I/O within one batch (1: none). The tiered store already
     runs batches on several threads; on a small machine more threads measured slower."""
+    read_timeout: float = 5.0
+    """Seconds one chunk read (open, fstat, read, verify) may take; past that it is a
+    miss, counted in `read_timeouts` and in the tier's errors, so a hung network file
+    system never holds the caller longer."""
+    read_workers: int = 4
+    """Threads of this tier that make its reads (callers wait at most `read_timeout`).
+    A read past its deadline keeps its thread until the OS returns; while all of them
+    are held so, reads are misses without a system call (`read_stalled`), logged."""
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -132,6 +161,13 @@ class DiskOptions:
             raise ValueError(f"shards: got {self.shards}; expected 1 to 65536")
         if self.io_threads < 1:
             raise ValueError(f"io_threads: got {self.io_threads}; expected at least 1")
+        if not 0 < self.read_timeout < 86400:
+            raise ValueError(
+                f"read_timeout: got {self.read_timeout}; expected seconds, more than 0 "
+                "(every read has a deadline)"
+            )
+        if not 1 <= self.read_workers <= 256:
+            raise ValueError(f"read_workers: got {self.read_workers}; expected 1 to 256")
 
 
 class DiskBackend(Backend):
@@ -167,14 +203,17 @@ class DiskBackend(Backend):
         self._counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "puts", "put_skipped_present", "put_failures", "put_enospc",
              "put_eacces", "put_erofs", "put_other_errors", "put_too_large", "put_no_room",
-             "corrupt", "unverifiable", "rejected", "read_errors", "evictions", "deletes",
-             "errors"), 0
+             "corrupt", "unverifiable", "rejected", "read_errors", "read_timeouts",
+             "read_stalled", "evictions", "deletes", "errors"), 0
         )  # fmt: skip
         self._pool = (
             ThreadPoolExecutor(options.io_threads, thread_name_prefix="kvsdk-disk")
             if options.io_threads > 1
             else None
         )
+        self._reader = DeadlineReader(options.read_workers, options.read_timeout)
+        weakref.finalize(self, self._reader.close)  # a tier dropped without close()
+        self._tls = threading.local()  # each reader thread's scratch buffer
         self._made_dirs: set[str] = set()
         top = os.path.abspath(options.path)
         try:
@@ -328,93 +367,146 @@ class DiskBackend(Backend):
         return self._map(self._load, [(k, None) for k in keys])
 
     def get_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[bool]:
-        """Like :meth:`get`, but each payload is read straight into ``outs[i]``
+        """Like :meth:`get`, but each verified payload is copied into ``outs[i]``
         (a writable buffer it must fill exactly, e.g. a host-tier slot): no
-        allocation, no copy. Where the answer is False the destination's
-        contents are undefined; an entry of another size is a miss."""
+        allocation. Where the answer is False the destination's contents are
+        undefined; an entry of another size is a miss."""
         items = [(k, [o]) for k, o in zip(keys, outs)]
         return [v is not None for v in self._map(self._load, items)]
 
     def get_into_parts(
         self, keys: Sequence[ChunkKey], outs: Sequence[Sequence[memoryview]]
     ) -> list[bool]:
-        """Like :meth:`get_into`, each payload read with one ``readv`` straight
-        into the buffers ``outs[i]`` in order (their sizes must add up to the
-        payload's); verified over all the parts, no copy."""
+        """Like :meth:`get_into`, each verified payload copied into the buffers
+        ``outs[i]`` in order (their sizes must add up to the payload's)."""
         items = [(k, list(parts)) for k, parts in zip(keys, outs)]
         return [v is not None for v in self._map(self._load, items)]
 
     def _load(self, item: tuple[ChunkKey, list[memoryview] | None]) -> memoryview | None:
-        """The verified payload of ``key`` (read into ``outs`` when given; then
-        ``outs[0]`` or an empty view stands for the hit), or None for a miss."""
+        """The verified payload of ``key`` (copied into ``outs`` when given; then
+        ``outs[0]`` or an empty view stands for the hit), or None for a miss.
+        The file is read on the tier's reader threads within ``read_timeout``."""
         key, outs = item
         path = self._path(key)
-        try:
-            fd = os.open(path, _OPEN_FLAGS)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:  # a symlink where a frame belongs: never followed
-                self._reject(key, path, "a symlink")
-                return None
-            if exc.errno != errno.ENOENT:
+        res = self._reader.run(partial(self._read_file, path, key, outs))
+        if res is TIMED_OUT:
+            self._count("read_timeouts", "errors", "misses")
+            self._burst.warning(
+                "read_timeout",
+                "disk tier: a read in %s took over %.1f s (a hung file system?): a miss; "
+                "%d of %d reader threads still blocked",
+                self._root, self.options.read_timeout, self._reader.late,
+                self.options.read_workers,
+            )  # fmt: skip
+            return None
+        if res is STALLED:
+            self._count("read_stalled", "misses")
+            self._burst.warning(
+                "read_stalled",
+                "disk tier: all %d reader threads are blocked past their deadline in %s; "
+                "reads are misses without touching the file system until one returns",
+                self.options.read_workers, self._root,
+            )  # fmt: skip
+            return None
+        assert isinstance(res, _Read)
+        if res.kind == "absent" or res.kind == "open_error":
+            if res.kind == "open_error":
                 self._count("read_errors", "errors")
-                self._burst.warning("read", "disk tier: cannot open %s: %s", path, exc.strerror)
+                self._burst.warning("read", "disk tier: cannot open %s: %s", path, res.detail)
             with self._lock:
                 if file_size(path) is None:  # (not published by a put meanwhile)
                     self._forget_locked(key)
             self._count("misses")
             return None
-        header = bytearray(HEADER_SIZE)
-        rejected = ""
-        try:
-            st = os.fstat(fd)
-            size = st.st_size
-            direct = outs is not None and size == HEADER_SIZE + sum(o.nbytes for o in outs)
-            if not stat.S_ISREG(st.st_mode):
-                rejected = "not a regular file"
-            elif not self._plausible_size(size):
-                rejected = f"{size} bytes, not a frame size of this namespace"
-            elif direct:
-                assert outs is not None
-                readv_all(fd, [memoryview(header), *outs])
-            else:
-                whole = read_whole(fd, size)
-            if not rejected and time.time() - st.st_mtime > MTIME_REFRESH_SECONDS:
-                with contextlib.suppress(OSError):  # read-only mount: fine
-                    os.utime(fd)  # LRU order that survives restarts (coarse)
-        except OSError as exc:
+        if res.kind == "abandoned":  # the caller timed out meanwhile (never here in order)
+            self._count("misses")
+            return None
+        if res.kind == "rejected":
+            self._reject(key, path, res.detail)
+            return None
+        if res.kind == "read_error":
             self._count("read_errors", "misses", "errors")
-            self._burst.warning("read", "disk tier: cannot read %s: %s", path, exc.strerror)
+            self._burst.warning("read", "disk tier: cannot read %s: %s", path, res.detail)
             return None
-        finally:
-            os.close(fd)
-        if rejected:
-            self._reject(key, path, rejected)
-            return None
-        try:
-            if direct:
-                assert outs is not None
-                verify_chunk(header, outs, namespace_fp=self._ns, key=key, mac_key=self._mac)
-                payload = outs[0] if outs else memoryview(b"")
-            else:
-                payload = decode_chunk(whole, namespace_fp=self._ns, key=key, mac_key=self._mac)
-        except UnverifiableChunk as exc:
+        if res.kind == "unverifiable":
             self._count("unverifiable", "misses")
-            self._burst.warning("unverifiable", "disk tier: %s: %s", path, exc.reason)
+            self._burst.warning("unverifiable", "disk tier: %s: %s", path, res.detail)
             return None
-        except CorruptChunk as exc:
+        if res.kind == "corrupt":
             self._count("corrupt", "misses")
-            self._burst.warning("corrupt", "disk tier: dropping %s: %s", path, exc.reason)
+            self._burst.warning("corrupt", "disk tier: dropping %s: %s", path, res.detail)
             self.delete([key])
             return None
+        assert res.kind == "ok" and res.st is not None
         with self._lock:
             if key in self._index:
                 self._policy.touch(key)
-            elif same_file(path, st):  # stored by another process (not deleted meanwhile)
-                self._add_locked(key, size)
+            elif same_file(path, res.st):  # stored by another process (not deleted meanwhile)
+                self._add_locked(key, res.st.st_size)
                 self._evict_locked(0)
-            fits = outs is None or direct
-            self._counters["hits" if fits else "misses"] += 1
-        return payload if fits else None
+            self._counters["hits" if res.fits else "misses"] += 1
+        if not res.fits:
+            return None
+        if outs is None:
+            return res.payload
+        return outs[0] if outs else memoryview(b"")
+
+    def _read_file(
+        self, path: str, key: ChunkKey, outs: list[memoryview] | None, handoff: Handoff
+    ) -> _Read:
+        """On a reader thread: open, check, read and verify ``path``; with ``outs``,
+        copy the payload there only if the caller still waits (``handoff``).
+        Touches no index and takes no lock of the tier: it may block for good."""
+        if handoff.abandoned:  # queued past its deadline: not attempted
+            return _Read("abandoned")
+        try:
+            fd = os.open(path, _OPEN_FLAGS)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a symlink where a frame belongs: never followed
+                return _Read("rejected", "a symlink")
+            if exc.errno == errno.ENOENT:
+                return _Read("absent")
+            return _Read("open_error", exc.strerror or str(exc))
+        try:
+            st = os.fstat(fd)
+            size = st.st_size
+            if not stat.S_ISREG(st.st_mode):
+                return _Read("rejected", "not a regular file")
+            if not self._plausible_size(size):
+                return _Read("rejected", f"{size} bytes, not a frame size of this namespace")
+            if outs is None:
+                data = memoryview(read_whole(fd, size))
+            else:
+                data = self._scratch(size)
+                readv_all(fd, [data])
+            if time.time() - st.st_mtime > MTIME_REFRESH_SECONDS:
+                with contextlib.suppress(OSError):  # read-only mount: fine
+                    os.utime(fd)  # LRU order that survives restarts (coarse)
+        except OSError as exc:
+            return _Read("read_error", exc.strerror or str(exc))
+        finally:
+            os.close(fd)
+        try:
+            payload = decode_chunk(data, namespace_fp=self._ns, key=key, mac_key=self._mac)
+        except UnverifiableChunk as exc:
+            return _Read("unverifiable", exc.reason)
+        except CorruptChunk as exc:
+            return _Read("corrupt", exc.reason)
+        if outs is None:
+            return _Read("ok", st=st, payload=payload)
+        fits = payload.nbytes == sum(o.nbytes for o in outs)
+        if fits and not handoff.deliver(partial(scatter_into, payload, outs)):
+            return _Read("abandoned")
+        return _Read("ok", st=st, fits=fits)
+
+    def _scratch(self, size: int) -> memoryview:
+        """This reader thread's own buffer of ``size`` bytes (kept between reads,
+        so its pages are already faulted in; ``read_workers`` of them at most)."""
+        buf: bytearray | None = getattr(self._tls, "buf", None)
+        if buf is None or len(buf) < size:
+            buf = bytearray(size)
+            self._tls.buf = buf
+        return memoryview(buf)[:size]
 
     def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
         return self._map(self._put_one, items)
@@ -551,6 +643,7 @@ class DiskBackend(Backend):
                 entries=float(len(self._index)),
                 bytes_used=float(self._used),
                 bytes_reserved=float(self._reserved),
+                reads_blocked=float(self._reader.late),
                 capacity_bytes=float(self.options.capacity),
             )
         return out
@@ -567,6 +660,7 @@ class DiskBackend(Backend):
             return self._counters["errors"]
 
     def close(self) -> None:
+        self._reader.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

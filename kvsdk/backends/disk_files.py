@@ -96,6 +96,15 @@ def flat_parts(parts: Sequence[Any]) -> list[memoryview]:
     return [byte_view(p) for p in parts]
 
 
+def scatter_into(payload: memoryview, outs: Sequence[memoryview]) -> None:
+    """Copy ``payload`` into ``outs`` in order (their sizes add up to its size)."""
+    offset = 0
+    for out in outs:
+        n = out.nbytes
+        byte_view(out)[:] = payload[offset : offset + n]
+        offset += n
+
+
 def readv_all(fd: int, parts: list[memoryview]) -> None:
     """Fill ``parts`` from ``fd`` (at most ``IOV_MAX`` per call); a short file
     leaves the rest unfilled (the frame check then fails on the checksum)."""

@@ -10,6 +10,9 @@ a worker (see docs/security.md).
 - A FIFO, a symlink, a 100 GiB sparse file where a chunk file belongs: each a
   miss within a deadline, no I/O thread left blocked; a cache directory of
   another user, or open to others, is refused at start.
+- A read that hangs (a network file system gone): a miss after ``read_timeout``,
+  the reader threads bounded, no late write into the caller's slot, and the
+  entries hit again once the file system is back.
 - A huge value planted in Redis costs at most one frame on the wire.
 """
 
@@ -334,3 +337,129 @@ def test_a_mode_0600_file_layout_is_what_kvsdk_creates(tmp_path: Path) -> None:
     assert stat.S_IMODE(os.stat(root / NS.hex()).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(entry(root)).st_mode) == 0o600
     b.close()
+
+
+class HungFiles:
+    """Reads of the chosen files block until :meth:`release`, as on an NFS mount
+    whose server went away and came back. No Linux file reachable without root
+    (a FIFO, a lease, /proc) blocks a ``read`` of a regular file once ``open``
+    with ``O_NONBLOCK`` succeeded, so the block is injected at the one seam the
+    disk tier reads through, the ``os.read``/``os.readv`` system calls, for
+    those files only; everything else (files, frames, threads) is real."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.paths: set[str] = set()
+        self.gate = threading.Event()
+        self.blocked = 0
+        real_read, real_readv = os.read, os.readv
+
+        def hung(fd: int) -> bool:
+            try:
+                return os.readlink(f"/proc/self/fd/{fd}") in self.paths
+            except OSError:
+                return False
+
+        def read(fd: int, n: int) -> bytes:
+            self._wait(hung(fd))
+            return real_read(fd, n)
+
+        def readv(fd: int, buffers: Any) -> int:
+            self._wait(hung(fd))
+            return real_readv(fd, buffers)
+
+        monkeypatch.setattr(os, "read", read)
+        monkeypatch.setattr(os, "readv", readv)
+
+    def _wait(self, is_hung: bool) -> None:
+        if is_hung and not self.gate.is_set():
+            self.blocked += 1
+            self.gate.wait()
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+def chunk_key(i: int) -> bytes:
+    return bytes([i]) * 16
+
+
+def new_reader_threads(before: set[threading.Thread]) -> int:
+    """Disk reader threads alive now that were not before."""
+    return sum(
+        t.name.startswith("kvsdk-disk-read") and t not in before for t in threading.enumerate()
+    )
+
+
+@pytest.mark.parametrize("into", [True, False], ids=["get_into", "get"])
+def test_a_hung_read_is_a_miss_within_its_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, into: bool
+) -> None:
+    """Each hung read is a miss after ``read_timeout``, counted as an error; the
+    tier's reader threads stay at ``read_workers`` (once all are held, reads
+    are misses at once); a late read never writes into the caller's slot; when
+    the file system comes back, the same entries hit."""
+    threads_before = set(threading.enumerate())
+    b = disk_tier(tmp_path / "cache", read_timeout=0.5, read_workers=2)
+    payloads = {i: bytes([i]) * CHUNK for i in range(1, 5)}
+    assert b.put([(chunk_key(i), p) for i, p in payloads.items()]) == [True] * 4
+    hang = HungFiles(monkeypatch)
+    hang.paths = {os.path.realpath(b._path(chunk_key(i))) for i in (1, 2, 3)}
+
+    def read(i: int, slot: memoryview) -> bool:
+        if into:
+            return bool(b.get_into([chunk_key(i)], [slot])[0])
+        got = b.get([chunk_key(i)])[0]
+        return got is not None and bytes(got) == payloads[i]
+
+    slots = {i: memoryview(bytearray(CHUNK)) for i in payloads}
+    for i in (1, 2):  # each waits its deadline, then a miss
+        start = time.monotonic()
+        assert within_deadline(lambda i=i: read(i, slots[i])) is False
+        assert 0.45 <= time.monotonic() - start < 0.5 + 2.0
+    assert b.stats()["read_timeouts"] == 2 and b.error_count() == 2
+    assert b.stats()["reads_blocked"] == 2
+    start = time.monotonic()  # both workers held: a miss at once, no new thread
+    assert within_deadline(lambda: read(3, slots[3])) is False
+    assert time.monotonic() - start < 0.2
+    assert within_deadline(lambda: read(4, slots[4])) is False  # even an entry that is fine
+    assert b.stats()["read_stalled"] == 2 and hang.blocked == 2
+    assert new_reader_threads(threads_before) == 2
+    for i in (1, 2):  # the callers gave up: their slots are someone else's now
+        slots[i][:] = b"\xab" * CHUNK
+    hang.release()
+    deadline = time.monotonic() + DEADLINE_S
+    while b.stats()["reads_blocked"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert b.stats()["reads_blocked"] == 0
+    for i in (1, 2):
+        assert bytes(slots[i]) == b"\xab" * CHUNK, "a late read wrote into a slot"
+    for i in payloads:  # the file system is back: every entry hits
+        assert within_deadline(lambda i=i: read(i, slots[i])) is True
+        if into:
+            assert bytes(slots[i]) == payloads[i]
+    assert b.stats()["read_timeouts"] == 2
+    b.close()
+
+
+def test_one_hung_file_leaves_the_other_readers_serving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = disk_tier(tmp_path / "cache", read_timeout=0.5, read_workers=2)
+    assert b.put([(chunk_key(i), bytes([i]) * CHUNK) for i in (1, 2)]) == [True, True]
+    hang = HungFiles(monkeypatch)
+    hang.paths = {os.path.realpath(b._path(chunk_key(1)))}
+    slot = memoryview(bytearray(CHUNK))
+    assert within_deadline(lambda: b.get_into([chunk_key(1)], [slot])) == [False]
+    for _ in range(3):  # the other thread serves, every time
+        assert within_deadline(lambda: b.get_into([chunk_key(2)], [slot])) == [True]
+        assert bytes(slot) == bytes([2]) * CHUNK
+    hang.release()
+    b.close()
+
+
+def test_read_timeout_must_be_a_positive_deadline(tmp_path: Path) -> None:
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="read_timeout"):
+            disk_tier(tmp_path / "cache", read_timeout=bad)
+    with pytest.raises(ValueError, match="read_workers"):
+        disk_tier(tmp_path / "cache", read_workers=0)
