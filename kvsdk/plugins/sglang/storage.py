@@ -22,7 +22,13 @@ What SGLang asks, and what kvsdk does:
   regions, TP/PP rank and size; MLA is rank-replicated, so its namespace has
   no TP rank and only the writer rank stores). The tiers are built then.
 - Page keys (SGLang's 64-hex SHA-256 chain) become kvsdk chunk keys,
-  ``chunk_key(namespace.fingerprint, bytes.fromhex(page_hash), 0)``.
+  ``chunk_key(epoch_fp, bytes.fromhex(page_hash), 0)``, where ``epoch_fp`` is
+  the namespace's key-derivation key until the first ``clear``.
+- ``clear`` (SGLang's cache flush) is scoped to this instance, like vLLM's
+  reset: its keys move to a fresh random epoch
+  (:func:`~kvsdk.keys.epoch_fingerprint`), so none of the pages stored before
+  is served to it again, while the shared disk and Redis tiers keep every
+  entry for the other instances (a full wipe is ``kvsdk clear``).
 - ``batch_get_v1`` / ``batch_set_v1`` move pages between the tiers and the
   host pool's page regions, without a copy where the tier allows it; the
   generic (tensor) path reads and writes the same page bytes
@@ -67,7 +73,7 @@ from kvsdk.backend import Backend
 from kvsdk.burst_log import BurstLog
 from kvsdk.config import ConfigError
 from kvsdk.events import KVEvent
-from kvsdk.keys import Namespace, chunk_keys
+from kvsdk.keys import Namespace, chunk_keys, epoch_fingerprint
 from kvsdk.planner import LookupPlanner, PlanRequest
 from kvsdk.plugins.sglang.config import load_storage_config
 from kvsdk.plugins.sglang.pages import (
@@ -131,6 +137,7 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         self.chain: TierChain | None = None
         self.pool: PagePool | None = None
         self.namespace: Namespace | None = None
+        self._key_fp = b""  # the namespace's key-derivation key in this instance's epoch
         self.mem_pool_host: Any = None
         self._planner: LookupPlanner | None = None
         self._sglang_stats: dict[str, list[float]] = {
@@ -157,6 +164,7 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             track_keys=KNOWN_KEYS,
         )
         self.pool, self.namespace = pool, namespace
+        self._key_fp = namespace.fingerprint
         self._planner = LookupPlanner([KVGroupSpec(index=0, tokens_per_block=geom.page_tokens)])
         log.info(
             "kvsdk storage for SGLang: tiers %s, namespace %s, %d-byte pages (%s, %s, %d "
@@ -183,10 +191,9 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         return self.chain is not None and not self.handle.closed
 
     def chunk_keys(self, page_hashes: Sequence[str]) -> list[ChunkKey]:
-        """kvsdk chunk keys for SGLang page hashes."""
+        """kvsdk chunk keys for SGLang page hashes (in this instance's epoch)."""
         assert self.namespace is not None
-        fp = self.namespace.fingerprint
-        return chunk_keys(fp, [page_key_bytes(h) for h in page_hashes], 0)
+        return chunk_keys(self._key_fp, [page_key_bytes(h) for h in page_hashes], 0)
 
     # -- zero-copy v1 ----------------------------------------------------------------
     def batch_get_v1(
@@ -363,9 +370,17 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
 
     # -- housekeeping -----------------------------------------------------------------
     def clear(self) -> None:
-        """Drop every page this namespace stored, in every tier."""
-        if self.chain is not None:
-            self.chain.clear_all()
+        """SGLang's cache flush, scoped to this instance: its page keys move to
+        a fresh random epoch, so no page stored before (by it or anyone) is
+        served to it again; the shared tiers keep every entry for the other
+        instances and nothing is deleted. A CLEARED event per tier says this
+        instance's view of it is empty. (The full wipe: ``kvsdk clear``.)"""
+        if self.chain is None or self.namespace is None:
+            return
+        self._key_fp = epoch_fingerprint(self.namespace.fingerprint, os.urandom(16))
+        for t in self.chain.numbers:
+            self.chain.cleared(t)
+        self.chain.publish()
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` since the last call (pages and GB/s per batch)."""

@@ -435,13 +435,36 @@ def test_config_errors_are_one_clear_sentence(tmp_path: Path) -> None:
     storage.close()
 
 
-def test_clear_drops_every_page_and_reports_it(make_rig: Any, tmp_path: Path) -> None:
-    rig = kvsdk_rig(make_rig, tmp_path)
-    tokens = tokens_for(3, rig.page)
-    assert rig.backup(rig.fill(3), tokens) == 3 * rig.page
-    assert rig.ctrl.clear_storage_backend()
-    assert rig.storage.batch_exists(rig.hashes(tokens)) == 0 and not page_files(tmp_path)
-    assert any(e.kind is EventKind.CLEARED for e in rig.storage.take_events())
+def test_clear_is_scoped_to_the_instance_that_flushes(make_rig: Any, tmp_path: Path) -> None:
+    """Two SGLang instances on one disk directory; one flushes its cache
+    (SGLang's ``clear_storage_backend``): it misses its old pages from then on,
+    the other still hits all of them, and no page file is deleted. The flushed
+    instance stores and hits new pages; the full wipe stays ``kvsdk clear``."""
+    config = disk_config(tmp_path)
+    writer = kvsdk_rig(make_rig, tmp_path, config=config)
+    other = kvsdk_rig(make_rig, tmp_path, config=config)
+    tokens = tokens_for(3, writer.page)
+    idx = writer.fill(3, seed=5)
+    assert writer.backup(idx, tokens) == 3 * writer.page
+    files = page_files(tmp_path)
+    assert len(files) == 3
+    hashes = writer.hashes(tokens)
+    assert other.storage.batch_exists(hashes) == 3 and writer.storage.batch_exists(hashes) == 3
+    writer.storage.take_events()
+    assert writer.ctrl.clear_storage_backend()
+    assert writer.storage.batch_exists(hashes) == 0
+    assert writer.prefetch(tokens) == (0, 0, None)
+    assert any(e.kind is EventKind.CLEARED for e in writer.storage.take_events())
+    assert page_files(tmp_path) == files  # the shared tier keeps every entry
+    hit, loaded, got = other.prefetch(tokens)  # the other instance is not affected
+    assert (hit, loaded) == (3 * other.page, 3 * other.page)
+    assert other.pages(got, 3) == writer.pages(idx, 3)
+    # after its flush the instance stores and hits again, in its own epoch
+    assert writer.backup(idx, tokens) == 3 * writer.page
+    assert len(page_files(tmp_path)) == 6
+    hit, loaded, got = writer.prefetch(tokens)
+    assert (hit, loaded) == (3 * writer.page, 3 * writer.page)
+    assert writer.pages(got, 3) == writer.pages(idx, 3)
 
 
 def test_sglang_storage_metrics_and_prometheus(make_rig: Any, tmp_path: Path) -> None:
