@@ -35,6 +35,9 @@ overrides it and says so in a class flag, so callers never probe with
 - ``error_count()``              I/O failures the tier absorbed itself (served as a
                                   miss or a refused write instead of raising) so far;
                                   the chain adds them to ``kvsdk_backend_errors_total``
+- ``available()``                False while the tier skips calls after a failure
+                                  (a circuit breaker): its misses then say nothing
+                                  about the medium, so the chain does not log it back up
 
 ``stats()`` is for display (metrics labels, ``kvsdk inspect``); nothing reads
 control values out of it.
@@ -152,6 +155,12 @@ class Backend(ABC):
         not be counted here. Asked after every call, so keep it cheap; the
         default (0) suits a backend that raises its failures."""
         return 0
+
+    def available(self) -> bool:
+        """False while this tier answers without asking its medium (a server
+        skipped for a backoff after a failure); the default (True) suits a
+        backend that tries every call."""
+        return True
 
     def close(self) -> None:
         return None

@@ -210,6 +210,9 @@ class FaultyBackend(Backend):
         """The wrapped tier's (injected errors raise: the caller counts them)."""
         return self.inner.error_count()
 
+    def available(self) -> bool:
+        return self.inner.available()
+
     def close(self) -> None:
         self.inner.close()
 

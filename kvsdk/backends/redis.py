@@ -584,6 +584,11 @@ class RedisBackend(Backend):
         with self._lock:
             return self._counters["errors"]
 
+    def available(self) -> bool:
+        """False while a server is skipped for its backoff (a circuit breaker open)."""
+        with self._lock:
+            return not any(b.is_open for b in self._breakers.values())
+
     def close(self) -> None:
         try:
             if self._client is not None:

@@ -10,7 +10,11 @@ own threads.
 I/O primitives (any thread; a failing tier never raises: its answer is a
 miss or a refused write, counted in ``kvsdk_backend_errors_total`` and
 logged once per burst, like the failures a tier absorbs itself and reports
-in ``error_count()``; every call is timed in ``kvsdk_backend_seconds``):
+in ``error_count()``; every call is timed in ``kvsdk_backend_seconds``).
+A tier's first failure logs ``kvsdk: tier N (name) down: <reason>`` once;
+its first success of the same operation afterwards, while it is not
+skipping calls (``Backend.available()``), logs ``kvsdk: tier N (name) back
+up after F failures / S s`` once (:class:`TierHealth`):
 
 - ``locate(keys)``                 the first tier holding each key
 - ``read_into(t, keys, outs)``     tier ``t``'s payloads into caller buffers
@@ -45,6 +49,8 @@ from kvsdk.backend import Backend
 from kvsdk.burst_log import BurstLog
 from kvsdk.events import EventKind, EventTracker
 from kvsdk.metrics import Metrics
+from kvsdk.store.health import TierHealth
+from kvsdk.trust import redact
 from kvsdk.types import ChunkKey
 
 log = logging.getLogger(__name__)
@@ -117,8 +123,12 @@ class TierChain:
         self._known = [_KnownKeys(track_keys) for _ in self.tiers] if track_keys else []
         self._corrupt_seen = [self._corrupt_count(t) for t in self.numbers]
         self._errors_seen = [0] * len(self.tiers)
+        self._health = TierHealth(log)
         for t in self.numbers:  # e.g. a directory the tier could not create at start
-            self._count_errors(t)
+            if n := self._count_errors(t):
+                # down until a write succeeds (what such a failure stops)
+                reason = f"start: {n} failure(s) absorbed by the tier (its warning names the cause)"
+                self._health.failed(t, self._name(t), "put", n, reason)
         self._copier = (
             ThreadPoolExecutor(1, thread_name_prefix="kvsdk-copy-up")
             if copy_up and len(self.tiers) > 1
@@ -230,18 +240,36 @@ class TierChain:
             self.metrics.observe(
                 "kvsdk_backend_seconds", time.perf_counter() - start, tier=t, op=op
             )
-        self._count_errors(t)
+        absorbed = self._count_errors(t)
+        if absorbed:
+            reason = (
+                f"{op}: {absorbed} failure(s) absorbed by the tier (its warning names the cause)"
+            )
+            self._health.failed(t, self._name(t), op, absorbed, reason)
+        else:
+            self._health.succeeded(t, self._name(t), op, self._available(t))
         return out
 
+    def _name(self, t: int) -> str:
+        return str(getattr(self.tier(t), "name", type(self.tier(t)).__name__))
+
+    def _available(self, t: int) -> bool:
+        try:
+            return bool(self.tier(t).available())
+        except Exception:
+            return False
+
     def _failed(self, t: int, op: str, exc: BaseException) -> None:
-        self._count_errors(t, raised=True)
+        n = self._count_errors(t, raised=True)
+        reason = f"{op}: {type(exc).__name__}: {redact(str(exc))}"
+        self._health.failed(t, self._name(t), op, n, reason)
         self._burst.warning(
             f"tier{t}-{op}",
             "tier %d (%s) %s failed, serving misses: %s",
             t,
             type(self.tier(t)).__name__,
             op,
-            exc,
+            redact(str(exc)),
         )
 
     def _corrupt_count(self, t: int) -> int:
@@ -250,10 +278,11 @@ class TierChain:
         except Exception:
             return 0
 
-    def _count_errors(self, t: int, raised: bool = False) -> None:
+    def _count_errors(self, t: int, raised: bool = False) -> int:
         """Failures tier ``t`` absorbed since last asked (its ``error_count()``)
         → ``kvsdk_backend_errors_total``; a call that raised counts at least one
-        (a backend may count the failure it then raised: not twice)."""
+        (a backend may count the failure it then raised: not twice). Returns
+        how many were counted."""
         try:
             seen = self.tier(t).error_count()
         except Exception:
@@ -262,9 +291,10 @@ class TierChain:
             new = seen - self._errors_seen[t - 1]
             if new > 0:
                 self._errors_seen[t - 1] = seen
-        n = max(new, 1) if raised else new
+        n = max(new, 1) if raised else max(new, 0)
         if n > 0:
             self.metrics.inc("kvsdk_backend_errors_total", n, tier=t)
+        return n
 
     def _count_corrupt(self, t: int) -> None:
         """Integrity failures tier ``t`` counted since last asked → metrics."""
