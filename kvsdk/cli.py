@@ -15,20 +15,34 @@ import sys
 from pathlib import Path
 
 from kvsdk import plugins_manager
-from kvsdk.commands import CommandRegistry
+from kvsdk.commands import CommandRegistry, ModelArgs
 from kvsdk.config import ConfigError, KVSDKConfig, dump_json_schema, load_config
 from kvsdk.trust import redact
 
 
 def _config_check(args: argparse.Namespace) -> int:
-    load = args.config_engines[args.engine].load if args.engine else load_config
+    engine = args.config_engines[args.engine] if args.engine else None
+    if args.model is not None and (engine is None or engine.check_model is None):
+        able = sorted(n for n, e in args.config_engines.items() if e.check_model)
+        print(
+            f"{args.file}: --model needs --engine {' or '.join(able) or '(none installed)'}: "
+            "the engine computes a chunk's bytes from the model",
+            file=sys.stderr,
+        )
+        return 2
     try:
-        cfg = load(Path(args.file))
+        cfg = (engine.load if engine else load_config)(Path(args.file))
+        note = None
+        if args.model is not None and engine is not None and engine.check_model is not None:
+            model = ModelArgs(Path(args.model), args.block_size, args.dtype)
+            note = engine.check_model(Path(args.file), cfg, model)
     except ConfigError as exc:
         print(f"{args.file}: {redact(str(exc))}", file=sys.stderr)
         return 2
     for warning in _config_warnings(cfg):
         print(f"{args.file}: warning: {warning}", file=sys.stderr)
+    if note:
+        print(f"{args.file}: {note}")
     tiers = ", ".join(t.backend for t in cfg.tiers)
     print(
         f"{args.file}: OK (tiers: {tiers}; chunk_tokens={cfg.chunk_tokens or 'engine block size'}; "
@@ -47,7 +61,8 @@ def _config_warnings(cfg: KVSDKConfig) -> list[str]:
     return [
         f"tiers[{i}].capacity: {capacity} bytes holds no chunk of a real model (a chunk is "
         "chunk_tokens, by default the engine's block size, x the model's KV bytes per token: "
-        "128 KiB per token for Llama-3-8B in bf16); write a size with a unit, e.g. 8GiB"
+        "128 KiB per token for Llama-3-8B in bf16); write a size with a unit, e.g. 8GiB "
+        "(--engine vllm --model DIR gives a model's exact chunk size)"
         for i, tier in enumerate(cfg.tiers)
         if isinstance(capacity := getattr(tier.options, "capacity", None), int)
         and capacity < SMALL_TIER_BYTES
@@ -248,6 +263,21 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(engines),
         help="read the file as this engine does (default: kvsdk's own schema, host tier first); "
         + "; ".join(f"{name}: {engines[name].help}" for name in sorted(engines)),
+    )
+    check.add_argument(
+        "--model",
+        metavar="DIR",
+        help="a local model directory (config.json): check the config against one chunk of "
+        "this model as the engine computes it (needs --engine)",
+    )
+    check.add_argument(
+        "--block-size",
+        type=int,
+        metavar="N",
+        help="with --model: the engine's block size (default: what the engine picks itself)",
+    )
+    check.add_argument(
+        "--dtype", default="auto", help="with --model: the model dtype flag given to the engine"
     )
     check.set_defaults(config_engines=engines)
     return p

@@ -8,7 +8,9 @@ The core CLI (:mod:`kvsdk.cli`) builds its own commands (``config``,
 - a top-level command (``kvsdk demo``) with :meth:`CommandRegistry.command`,
 - a benchmark (``kvsdk bench serve``) with :meth:`CommandRegistry.bench`,
 - an engine for ``kvsdk config check --engine NAME`` with
-  :meth:`CommandRegistry.config_engine`: how that engine reads a config file.
+  :meth:`CommandRegistry.config_engine`: how that engine reads a config file,
+  and (optionally) how it checks the config against a model's geometry for
+  ``--model DIR`` (:class:`ModelArgs`), e.g. a host tier that holds no chunk.
 
 ``command`` and ``bench`` return the ``argparse`` parser for the plugin to add
 its arguments to; ``run`` gets the parsed arguments and returns the exit code.
@@ -27,8 +29,25 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvsdk.config import KVSDKConfig
 
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """``kvsdk config check --model DIR [--block-size N] [--dtype D]``."""
+
+    model: Path
+    """A local model directory (``config.json``)."""
+    block_size: int | None
+    """The engine's block size; None: what the engine picks when none is set."""
+    dtype: str
+    """The model dtype as the engine's flag takes it (``auto``: the engine resolves it)."""
+
+
 RunCommand = Callable[[argparse.Namespace], int]
 LoadConfig = Callable[[Path], "KVSDKConfig"]
+CheckModel = Callable[[Path, "KVSDKConfig", ModelArgs], str]
+"""``check(file, config, model)``: raise :class:`kvsdk.config.ConfigError` when the
+engine would refuse ``config`` for that model, else return one line to print
+(e.g. the bytes of one chunk)."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +57,7 @@ class ConfigEngine:
     name: str
     help: str
     load: LoadConfig
+    check_model: CheckModel | None = None
 
 
 class CommandRegistry:
@@ -60,12 +80,15 @@ class CommandRegistry:
         """Add ``kvsdk bench NAME``; returns its parser."""
         return self._add(self._benches, name, help, run)
 
-    def config_engine(self, name: str, *, help: str, load: LoadConfig) -> None:
+    def config_engine(
+        self, name: str, *, help: str, load: LoadConfig, check_model: CheckModel | None = None
+    ) -> None:
         """Let ``kvsdk config check --engine NAME FILE`` validate with ``load(FILE)``,
-        which raises :class:`kvsdk.config.ConfigError` on a bad config."""
+        which raises :class:`kvsdk.config.ConfigError` on a bad config; with
+        ``--model DIR`` also with ``check_model`` (see :data:`CheckModel`)."""
         if name in self.config_engines:
             raise ValueError(f"config engine {name!r} is registered twice")
-        self.config_engines[name] = ConfigEngine(name, help, load)
+        self.config_engines[name] = ConfigEngine(name, help, load, check_model)
 
     @staticmethod
     def _add(

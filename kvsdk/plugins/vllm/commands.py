@@ -1,5 +1,6 @@
 """The vLLM adapter's ``kvsdk`` commands: ``demo``, ``bench serve``, ``bench faults``
-and ``config check --engine vllm``.
+and ``config check --engine vllm`` (with ``--model DIR``: the host tier against
+one chunk of that model, :mod:`kvsdk.plugins.vllm.model_geometry`).
 
 Registered through the ``kvsdk`` entry-point group like any plugin. Importing
 this module imports no vLLM: each command imports its workload
@@ -14,8 +15,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from kvsdk.commands import CommandRegistry
-from kvsdk.config import KVSDKConfig
+from kvsdk.commands import CommandRegistry, ModelArgs
+from kvsdk.config import ConfigError, KVSDKConfig
 from kvsdk.hooks import hookimpl
 
 
@@ -103,6 +104,37 @@ def _bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_model(path: Path, cfg: KVSDKConfig, model: ModelArgs) -> str:
+    """One chunk of ``model`` as the adapter computes it at start; a host tier
+    smaller than that is refused (the engine would refuse it)."""
+    if not _have_vllm():
+        raise ConfigError(
+            "--model: computing a chunk needs vLLM (pip install 'kvsdk[vllm]'; "
+            "in this repository: scripts/setup.sh vllm)"
+        )
+    from kvsdk.plugins.vllm.model_geometry import model_chunk
+
+    chunk = model_chunk(path, model.model, block_size=model.block_size, dtype=model.dtype)
+    detail = (
+        f"{chunk.tokens} tokens x {chunk.chunk_bytes // chunk.tokens} B of KV per token: "
+        f"{chunk.layers} layers in {chunk.dtype}, block size {chunk.block_size}"
+    )
+    host = getattr(cfg.tiers[0].options, "capacity", None)
+    if isinstance(host, int) and host < chunk.chunk_bytes:
+        raise ConfigError(
+            f"tiers[0].capacity: got {host} bytes; one chunk of {model.model} is "
+            f"{chunk.chunk_bytes} bytes ({detail}): the host tier needs at least "
+            f"{chunk.chunk_bytes} bytes ({_mib(chunk.chunk_bytes)})"
+        )
+    held = f"; the host tier holds {host // chunk.chunk_bytes}" if isinstance(host, int) else ""
+    return f"one chunk of {model.model} is {chunk.chunk_bytes} bytes ({detail}){held}"
+
+
+def _mib(n: int) -> str:
+    """``n`` bytes rounded up to a size with a unit (a value the config takes)."""
+    return f"{-(-n // (1 << 20))}MiB" if n >= 1 << 20 else f"{-(-n // 1024)}KiB"
+
+
 def _load_vllm_config(path: Path) -> KVSDKConfig:
     # vLLM runs kvsdk's whole chain, host tier first; the server's start-up check
     from kvsdk.plugins.vllm import load_vllm_config
@@ -117,6 +149,7 @@ def kvsdk_register_commands(commands: CommandRegistry) -> None:
         "vllm",
         help="the whole tier chain, a host tier of at least 1 MiB first (the server's check)",
         load=_load_vllm_config,
+        check_model=_check_model,
     )
 
     demo = commands.command(
