@@ -53,6 +53,7 @@ from redis.cluster import RedisCluster
 from redis.connection import BlockingConnectionPool
 from redis.exceptions import (
     AskError,
+    AuthenticationError,
     ClusterDownError,
     ClusterError,
     RedisClusterException,
@@ -236,8 +237,9 @@ class RedisBackend(Backend):
                 client.connection_pool.disconnect()  # stale sockets: reconnect after the pause
         self._burst.warning(
             f"outage:{name}",
-            "redis tier %s: %s is not answering (%s: %s); serving misses, retry in %.1fs",
-            self._where, name, type(exc).__name__, self._redact(str(exc)), pause,
+            "redis tier %s: %s %s (%s: %s); serving misses, retry in %.1fs",
+            self._where, name, _what_failed(exc), type(exc).__name__, self._redact(str(exc)),
+            pause,
         )  # fmt: skip
 
     # -- routing -------------------------------------------------------------------------
@@ -613,6 +615,17 @@ class RedisBackend(Backend):
 
     def __repr__(self) -> str:
         return f"RedisBackend({self._where!r}, cluster={self.options.cluster})"
+
+
+def _what_failed(exc: BaseException) -> str:
+    """What an outage was, in words: refused credentials and failed TLS
+    handshakes are not a server that does not answer."""
+    if isinstance(exc, AuthenticationError):
+        return "refused this client's credentials (username, password)"
+    text = str(exc)
+    if "SSL" in text or "certificate" in text:
+        return "failed the TLS handshake (certificate, tls_ca_file, tls_verify)"
+    return "is not answering"
 
 
 def _effective_url(o: RedisOptions) -> str:

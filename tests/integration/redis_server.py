@@ -160,6 +160,58 @@ def start_cluster(workdir: Path, n: int = 3) -> RedisClusterNodes:
         raise
 
 
+PASSWORD = "s3cr@t:pa/ss-W0rd"
+"""A password with ``@``, ``:`` and ``/`` (URL delimiters): tests check it never shows."""
+ACL_USER = "kvsdk-writer"
+
+
+def make_test_ca(workdir: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate it signed for 127.0.0.1 (one day):
+    ``(ca.crt, server.crt, server.key)``. Needs the ``openssl`` binary."""
+    if shutil.which("openssl") is None:
+        missing_tool("openssl not installed: cannot make a test certificate authority")
+    workdir.mkdir(parents=True, exist_ok=True)
+    ca, ca_key = workdir / "ca.crt", workdir / "ca.key"
+    cert, key, csr = workdir / "server.crt", workdir / "server.key", workdir / "server.csr"
+    ext = workdir / "san.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    for cmd in (
+        ["req", "-x509", *ec, "-days", "1", "-keyout", ca_key, "-out", ca,
+         "-subj", "/CN=kvsdk test CA"],
+        ["req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
+        ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
+         "-days", "1", "-out", cert, "-extfile", ext],
+    ):  # fmt: skip
+        subprocess.run(["openssl", *map(str, cmd)], check=True, capture_output=True, timeout=30)
+    return ca, cert, key
+
+
+def start_tls_server(
+    workdir: Path, password: str | None = None, acl_user: str | None = None
+) -> tuple[RedisServer, Path]:
+    """A ``redis-server`` that speaks only TLS (no plain port), with a
+    certificate from :func:`make_test_ca`; with ``password``, AUTH is required
+    (``requirepass``) and ``acl_user`` is an ACL user with the same password,
+    limited to kvsdk's keys. Returns the server and the CA file to trust."""
+    ca, cert, key = make_test_ca(workdir / "pki")
+    port = free_port()
+    args = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert),
+            "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca),
+            "--tls-auth-clients", "no"]  # fmt: skip
+    if acl_user is not None:
+        assert password is not None
+        args += ["--user", acl_user, "on", f">{password}", "~kvsdk:*", "&*", "+@all"]
+    server = RedisServer(workdir / "srv", port=port, args=args, password=password,
+                         ping_args=["--tls", "--cacert", str(ca)])  # fmt: skip
+    try:
+        server.start(timeout=10)
+    except RuntimeError as exc:
+        server.kill()
+        missing_tool(f"this redis-server cannot serve TLS: {exc}")
+    return server, ca
+
+
 def missing_tool(message: str) -> None:
     """A tool the tests need is missing: a failure, never a skip (a skipped test
     proves nothing); scripts/setup.sh installs every one of them."""

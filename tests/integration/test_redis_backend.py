@@ -3,29 +3,34 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import multiprocessing as mp
-import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 import pytest
 import redis
+import yaml
 from redis.cluster import RedisCluster
 from redis_server import (  # noqa: F401  (fixtures)
+    ACL_USER,
+    PASSWORD,
     RedisClusterNodes,
     RedisServer,
     free_port,
-    missing_tool,
     needs_redis,
     redis_cluster_fixture,
     redis_server_fixture,
     redis_tools_fixture,
+    start_tls_server,
 )
 
 from kvsdk import plugins_manager
@@ -302,31 +307,8 @@ def test_threads_share_one_backend(redis_server: RedisServer) -> None:
     assert not errors and b.stats()["outages"] == 0
 
 
-def _tls_server(tmp_path: Path) -> tuple[RedisServer, Path]:
-    if shutil.which("openssl") is None:
-        missing_tool("openssl not installed: cannot make a test certificate")
-    cert, keyfile = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(keyfile), "-out", str(cert), "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    port = free_port()
-    args = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert),
-            "--tls-key-file", str(keyfile), "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]  # fmt: skip
-    ping = ["--tls", "--cacert", str(cert)]
-    server = RedisServer(tmp_path / "srv", port=port, args=args, ping_args=ping)
-    try:
-        server.start(timeout=5)
-    except RuntimeError as exc:
-        server.kill()
-        missing_tool(f"this redis-server cannot serve TLS: {exc}")
-    return server, cert
-
-
 def test_tls(tmp_path: Path) -> None:
-    server, cert = _tls_server(tmp_path)
+    server, cert = start_tls_server(tmp_path)
     try:
         b = backend(server.url, tls=True, tls_ca_file=str(cert))
         assert b.put([(key(1), payload(1))]) == [True] and b.get([key(1)])[0] == payload(1)
@@ -334,6 +316,128 @@ def test_tls(tmp_path: Path) -> None:
         assert plain.get([key(1)]) == [None]
     finally:
         server.kill()
+
+
+# -- AUTH over TLS: the data path, inventory and `kvsdk inspect` ------------------------------
+
+
+@pytest.fixture(scope="module")
+def secure_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RedisServer, Path]]:
+    """TLS only (no plain port), AUTH required, and an ACL user; one password
+    with ``@``, ``:`` and ``/`` for both."""
+    server, ca = start_tls_server(
+        tmp_path_factory.mktemp("secure"), password=PASSWORD, acl_user=ACL_USER
+    )
+    yield server, ca
+    server.kill()
+
+
+def in_url(user: str, password: str) -> str:
+    return f"{quote(user, safe='')}:{quote(password, safe='')}@"
+
+
+SECURE_WAYS: dict[str, Callable[[int, Path], dict[str, Any]]] = {
+    "default-user": lambda port, ca: {
+        "url": f"rediss://127.0.0.1:{port}/0", "password": PASSWORD, "tls_ca_file": str(ca)},
+    "acl-user-tls-option": lambda port, ca: {
+        "url": f"redis://127.0.0.1:{port}/0", "tls": True, "username": ACL_USER,
+        "password": PASSWORD, "tls_ca_file": str(ca)},
+    "acl-user-in-url": lambda port, ca: {
+        "url": f"rediss://{in_url(ACL_USER, PASSWORD)}127.0.0.1:{port}/0",
+        "tls_ca_file": str(ca)},
+}  # fmt: skip
+
+
+def leaked(text: str, *passwords: str) -> list[str]:
+    """Each form of each password (raw, percent-encoded) found in ``text``."""
+    forms = {f for p in passwords for f in (p, quote(p, safe=""), quote(p))}
+    return sorted(f for f in forms if f in text)
+
+
+def inspect_cli(
+    tmp_path: Path, tier: dict[str, Any], *extra: str
+) -> subprocess.CompletedProcess[str]:
+    """``kvsdk inspect`` of a config whose slower tier is ``tier``, as a user runs it."""
+    cfg = tmp_path / "kvsdk.yaml"
+    cfg.write_text(yaml.safe_dump({"tiers": [{"backend": "cpu", "capacity": "1MiB"},
+                                             {"backend": "redis", **tier}]}))  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "kvsdk.cli", "inspect", str(cfg), *extra],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("way", list(SECURE_WAYS))
+def test_auth_over_tls_data_path_inventory_and_inspect_never_show_the_password(
+    secure_server: tuple[RedisServer, Path],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    way: str,
+) -> None:
+    server, ca = secure_server
+    opts = SECURE_WAYS[way](server.port, ca)
+    ns = hashlib.blake2b(way.encode(), digest_size=16).digest()
+    with caplog.at_level(logging.DEBUG, logger="kvsdk"):
+        b = backend(opts.pop("url"), ns, **opts)
+        opts["url"] = b.options.url
+        assert b.put([(key(i), payload(i)) for i in range(3)]) == [True] * 3
+        assert b.get([key(i) for i in range(3)]) == [payload(i) for i in range(3)]
+        assert b.error_count() == 0
+    row = {"namespace": ns.hex(), "entries": 3, "bytes": 3 * (HEADER_SIZE + 4096)}
+    assert row in RedisBackend.inventory(RedisOptions(**opts))
+    text = out = inspect_cli(tmp_path, opts)
+    assert out.returncode == 0, out.stderr
+    assert f"namespace {ns.hex()}: 3 chunks" in out.stdout
+    as_json = inspect_cli(tmp_path, opts, "--json")
+    assert as_json.returncode == 0 and row in json.loads(as_json.stdout)[1]["namespaces"]
+    text = " ".join([out.stdout, out.stderr, as_json.stdout, as_json.stderr, caplog.text,
+                     repr(b), repr(b.options)])  # fmt: skip
+    assert not leaked(text, PASSWORD)
+    b.clear()
+    b.close()
+
+
+WRONG = "wr0ng@pass:wo/rd"
+REFUSED: dict[str, tuple[Callable[[int, Path], dict[str, Any]], tuple[str, ...]]] = {
+    "wrong-password": (lambda port, ca: {"password": WRONG, "tls_ca_file": str(ca)},
+                       ("invalid username-password", "WRONGPASS")),
+    "wrong-password-in-url": (
+        lambda port, ca: {"url": f"rediss://{in_url(ACL_USER, WRONG)}127.0.0.1:{port}/0",
+                          "tls_ca_file": str(ca)},
+        ("invalid username-password", "WRONGPASS")),
+    "no-password": (lambda port, ca: {"tls_ca_file": str(ca)},
+                    ("must be called with the client already authenticated", "NOAUTH")),
+    "untrusted-certificate": (lambda port, ca: {"password": PASSWORD},
+                              ("certificate verify failed", "CERTIFICATE_VERIFY_FAILED")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("how", list(REFUSED))
+def test_a_refused_connection_is_a_miss_and_a_clear_error_without_the_password(
+    secure_server: tuple[RedisServer, Path],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    how: str,
+) -> None:
+    server, ca = secure_server
+    make, says = REFUSED[how]
+    opts = {"url": f"rediss://127.0.0.1:{server.port}/0", **make(server.port, ca)}
+    with caplog.at_level(logging.DEBUG, logger="kvsdk"):
+        b = backend(opts.pop("url"), **opts, **FAST)
+        opts["url"] = b.options.url
+        assert b.get([key(1)]) == [None] and b.put([(key(2), payload(2))]) == [False]
+        assert b.error_count() >= 1
+    assert any(s in caplog.text for s in says), caplog.text
+    tls = how == "untrusted-certificate"
+    assert ("failed the TLS handshake" if tls else "refused this client's credentials") in (
+        caplog.text
+    )
+    out = inspect_cli(tmp_path, opts)
+    assert out.returncode == 1
+    assert "tiers[1] (redis)" in out.stderr and any(s in out.stderr for s in says), out.stderr
+    text = " ".join([out.stdout, out.stderr, caplog.text, repr(b), repr(b.options)])
+    assert not leaked(text, PASSWORD, WRONG)
+    b.close()
 
 
 # -- cluster -------------------------------------------------------------------------------------------
