@@ -8,8 +8,9 @@ is left, so no engine outlives a test, whatever it ended in.
 
 :data:`SERVER_ENV` and :func:`server_args` are the settings the README's
 vLLM section shows: the CPU build's KV space, no thread pinning, the dev
-endpoints (``/reset_prefix_cache``), a tiny local model without a tokenizer
-(prompts are token ids; outputs come back as ``token_id:N``).
+endpoints (``/reset_prefix_cache``), a tiny local model with a word-level
+tokenizer and a chat template (prompts are sent as token ids; outputs are
+read as token ids, ``return_token_ids``).
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ def kv_transfer_config(config: str | dict[str, Any]) -> str:
 def server_args(model: Path, port: int, kvsdk_config: str | None) -> list[str]:
     args = [
         "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-        "--skip-tokenizer-init", "--return-tokens-as-token-ids",
         "--enable-prompt-tokens-details",
         "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager", "--seed", "0",
     ]  # fmt: skip

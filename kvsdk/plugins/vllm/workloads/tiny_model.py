@@ -3,8 +3,9 @@
 Dummy weights (``load_format="dummy"``) give near-uniform logits, so wrong or
 foreign KV goes unnoticed. This model has real random weights
 (``initializer_range=0.1``): zeroed or misplaced KV visibly changes greedy
-tokens and logprobs. There is no tokenizer; prompts are token ids
-(``TokensPrompt(prompt_token_ids=...)`` with ``skip_tokenizer_init=True``).
+tokens and logprobs. Prompts are token ids (``TokensPrompt(prompt_token_ids=...)``
+with ``skip_tokenizer_init=True``); with ``tokenizer=True`` the directory also
+has a word-level tokenizer and a chat template, as a server expects.
 
 The weights are drawn from a ``torch.Generator`` seeded with ``seed`` in a
 fixed order (sorted parameter names), independent of the global RNG and of
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MARKER_FILE", "make_tiny_hybrid", "make_tiny_llama"]
+__all__ = ["MARKER_FILE", "make_tiny_hybrid", "make_tiny_llama", "write_tiny_tokenizer"]
 
 #: Written last into the model directory; records what was built.
 MARKER_FILE = "kvsdk_tiny_model.json"
@@ -41,11 +42,15 @@ def make_tiny_llama(
     initializer_range: float = 0.1,
     dtype: str = "float32",
     intermediate_size: int | None = None,
+    tokenizer: bool = False,
 ) -> Path:
     """Build (or reuse) a small random-weight Llama checkpoint at ``path``.
 
     Writes ``config.json``, ``generation_config.json``, ``model.safetensors``
-    and a marker file. If ``path`` already holds a model built with the same
+    and a marker file; with ``tokenizer``, also a tokenizer as a real model
+    directory has one (``tokenizer.json``, ``tokenizer_config.json`` with a
+    chat template: see :func:`write_tiny_tokenizer`), so a server started
+    without ``--skip-tokenizer-init`` warms its chat template up cleanly. If ``path`` already holds a model built with the same
     arguments (and the same transformers version), returns at once.
     ``intermediate_size`` defaults to ``2 * hidden_size`` (about 72 MB in
     float32 with the other defaults). Returns ``path`` as a ``Path``.
@@ -74,6 +79,8 @@ def make_tiny_llama(
         "intermediate_size": intermediate_size or 2 * hidden_size,
         "transformers_version": transformers.__version__,
     }
+    if tokenizer:  # (absent otherwise: directories built before keep their marker)
+        spec["tokenizer"] = _TOKENIZER_VERSION
     if _is_built(out, spec):
         return out
 
@@ -144,6 +151,42 @@ def _build(target: Path, spec: dict[str, Any]) -> None:
             param.data = values.to(torch_dtype)
     model = model.to(torch_dtype)
     model.save_pretrained(target, safe_serialization=True)
+    if spec.get("tokenizer"):
+        write_tiny_tokenizer(target, spec["vocab_size"])
+
+
+_TOKENIZER_VERSION = 1
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+"""A plain chat template: role, colon, content per message."""
+
+
+def write_tiny_tokenizer(target: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over ``vocab_size`` ids (``<unk>`` 0, ``<s>`` 1,
+    ``</s>`` 2, then ``t3`` ... ``t{vocab_size - 1}``): every id decodes, any
+    text encodes (unknown words to ``<unk>``), and ``tokenizer_config.json``
+    carries :data:`CHAT_TEMPLATE`. Built with ``tokenizers`` alone (no hub)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    vocab.update({f"t{i}": i for i in range(len(specials), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.add_special_tokens(specials)
+    tok.save(str(target / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": "<unk>",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "model_max_length": 1 << 20,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (target / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def make_tiny_hybrid(
