@@ -388,7 +388,8 @@ class DiskBackend(Backend):
         The file is read on the tier's reader threads within ``read_timeout``."""
         key, outs = item
         path = self._path(key)
-        res = self._reader.run(partial(self._read_file, path, key, outs))
+        want = None if outs is None else sum(o.nbytes for o in outs)
+        res = self._reader.run(partial(self._read_file, path, key, want), outs)
         if res is TIMED_OUT:
             self._count("read_timeouts", "errors", "misses")
             self._burst.warning(
@@ -451,11 +452,10 @@ class DiskBackend(Backend):
             return res.payload
         return outs[0] if outs else memoryview(b"")
 
-    def _read_file(
-        self, path: str, key: ChunkKey, outs: list[memoryview] | None, handoff: Handoff
-    ) -> _Read:
-        """On a reader thread: open, check, read and verify ``path``; with ``outs``,
-        copy the payload there only if the caller still waits (``handoff``).
+    def _read_file(self, path: str, key: ChunkKey, want: int | None, handoff: Handoff) -> _Read:
+        """On a reader thread: open, check, read and verify ``path``; with ``want``
+        (the caller's buffers' total size), copy a payload of that size into the
+        caller's buffers, only if the caller still waits (``handoff.deliver``).
         Touches no index and takes no lock of the tier: it may block for good."""
         if handoff.abandoned:  # queued past its deadline: not attempted
             return _Read("abandoned")
@@ -474,7 +474,7 @@ class DiskBackend(Backend):
                 return _Read("rejected", "not a regular file")
             if not self._plausible_size(size):
                 return _Read("rejected", f"{size} bytes, not a frame size of this namespace")
-            if outs is None:
+            if want is None:
                 data = memoryview(read_whole(fd, size))
             else:
                 data = self._scratch(size)
@@ -492,10 +492,10 @@ class DiskBackend(Backend):
             return _Read("unverifiable", exc.reason)
         except CorruptChunk as exc:
             return _Read("corrupt", exc.reason)
-        if outs is None:
+        if want is None:
             return _Read("ok", st=st, payload=payload)
-        fits = payload.nbytes == sum(o.nbytes for o in outs)
-        if fits and not handoff.deliver(partial(scatter_into, payload, outs)):
+        fits = payload.nbytes == want
+        if fits and not handoff.deliver(partial(scatter_into, payload)):
             return _Read("abandoned")
         return _Read("ok", st=st, fits=fits)
 

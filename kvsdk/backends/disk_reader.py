@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 _T = TypeVar("_T")
 
@@ -45,13 +45,17 @@ STALLED = _Outcome("STALLED")
 
 
 class Handoff:
-    """Between one read and its caller: whether the caller still waits."""
+    """Between one read and its caller: whether the caller still waits, and the
+    caller's buffers (``target``), which only :meth:`deliver` hands out. When
+    the caller gives up the handoff drops them, so a blocked worker holds no
+    reference to caller memory (a shared-memory slab can still be closed)."""
 
-    __slots__ = ("_abandoned", "_lock")
+    __slots__ = ("_abandoned", "_lock", "_target")
 
-    def __init__(self) -> None:
+    def __init__(self, target: Any = None) -> None:
         self._lock = threading.Lock()
         self._abandoned = False
+        self._target = target
 
     @property
     def abandoned(self) -> bool:
@@ -61,23 +65,24 @@ class Handoff:
         """The caller gives up; returns once no :meth:`deliver` is running."""
         with self._lock:
             self._abandoned = True
+            self._target = None
 
-    def deliver(self, write: Callable[[], None]) -> bool:
-        """Run ``write`` (copy into the caller's buffers) unless the caller gave
-        up; True when it ran. A copy in memory, never a system call, runs here."""
+    def deliver(self, write: Callable[[Any], None]) -> bool:
+        """Run ``write(target)`` (copy into the caller's buffers) unless the caller
+        gave up; True when it ran. A copy in memory, never a system call, runs here."""
         with self._lock:
             if self._abandoned:
                 return False
-            write()
+            write(self._target)
             return True
 
 
 class _Task(Generic[_T]):
     __slots__ = ("fn", "future", "handoff")
 
-    def __init__(self, fn: Callable[[Handoff], _T]) -> None:
+    def __init__(self, fn: Callable[[Handoff], _T], target: Any) -> None:
         self.fn = fn
-        self.handoff = Handoff()
+        self.handoff = Handoff(target)
         self.future: Future[_T] = Future()
 
 
@@ -102,11 +107,13 @@ class DeadlineReader:
         with self._lock:
             return self._late
 
-    def run(self, fn: Callable[[Handoff], _T], timeout: float | None = None) -> _T | _Outcome:
+    def run(
+        self, fn: Callable[[Handoff], _T], target: Any = None, timeout: float | None = None
+    ) -> _T | _Outcome:
         """``fn(handoff)`` on a worker; its result, or :data:`TIMED_OUT` /
         :data:`STALLED`. ``fn`` should check ``handoff.abandoned`` before it
-        starts (a read queued past its deadline is not made at all) and write
-        into caller memory only through ``handoff.deliver``."""
+        starts (a read queued past its deadline is not made at all) and reach
+        the caller's buffers ``target`` only through ``handoff.deliver``."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("deadline reader closed")
@@ -119,7 +126,7 @@ class DeadlineReader:
                 ]
                 for t in self._threads:
                     t.start()
-        task: _Task[_T] = _Task(fn)
+        task: _Task[_T] = _Task(fn, target)
         self._tasks.put(task)  # type: ignore[arg-type]
         try:
             return task.future.result(self.timeout if timeout is None else max(0.0, timeout))

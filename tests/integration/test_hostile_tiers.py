@@ -463,3 +463,20 @@ def test_read_timeout_must_be_a_positive_deadline(tmp_path: Path) -> None:
             disk_tier(tmp_path / "cache", read_timeout=bad)
     with pytest.raises(ValueError, match="read_workers"):
         disk_tier(tmp_path / "cache", read_workers=0)
+
+
+def test_a_late_read_holds_no_reference_to_the_callers_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the caller gave up, the blocked reader keeps no view of its buffer
+    (else a shared-memory slab with a hung read could not be closed)."""
+    b = disk_tier(tmp_path / "cache", read_timeout=0.3, read_workers=1)
+    assert b.put([(chunk_key(1), b"\x01" * CHUNK)]) == [True]
+    hang = HungFiles(monkeypatch)
+    hang.paths = {os.path.realpath(b._path(chunk_key(1)))}
+    buf = bytearray(CHUNK)
+    assert within_deadline(lambda: b.get_into([chunk_key(1)], [memoryview(buf)])) == [False]
+    assert b.stats()["reads_blocked"] == 1
+    buf.extend(b"x")  # BufferError if anything still holds a view of it
+    hang.release()
+    b.close()
