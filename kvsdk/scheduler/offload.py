@@ -23,7 +23,7 @@ from kvsdk.scheduler.tail import (
 )
 from kvsdk.store.tiered import TieredStore
 from kvsdk.transfer import BlockCopies, Direction, TransferJob
-from kvsdk.types import ChunkKey, KVGroupSpec, ReqId, ReqKey
+from kvsdk.types import ChunkKey, GroupKind, KVGroupSpec, ReqId, ReqKey
 
 
 class OffloadScheduler:
@@ -57,7 +57,14 @@ class OffloadScheduler:
                 )
         self._chunk_tokens = [g.tokens_per_chunk for g in self.groups]
         self._min_chunk_tokens = min(self._chunk_tokens)
-        self.planner = LookupPlanner(self.groups, tokens_per_hash=self.tokens_per_hash)
+        mamba = {g.tokens_per_chunk for g in self.groups if g.kind is GroupKind.MAMBA}
+        if len(mamba) > 1:
+            raise ValueError(f"state-space groups with different chunk sizes {sorted(mamba)}")
+        self.planner = LookupPlanner(
+            self.groups,
+            tokens_per_hash=self.tokens_per_hash,
+            mamba_align_tokens=mamba.pop() if mamba else None,  # a hit ends on a state
+        )
         self._tails = tails_supported(self.groups)
         self.ledger = JobLedger(num_workers)
         self._jobs = StoreJobs(self.groups, store, self.ledger)

@@ -226,6 +226,39 @@ def _hub_snapshot(model: str, revision: str | None) -> Path | None:
         return None
 
 
+def _page_bytes_and_dtype(spec: Any) -> tuple[int, str]:
+    """Bytes kvsdk copies per block and layer, and what they hold. A state-space
+    page is padded to the attention page; only its states (each state's shape
+    and dtype, in order) are copied."""
+    shapes = getattr(spec, "shapes", None)
+    if shapes is None:
+        return int(spec.page_size_bytes), str(spec.dtype)
+    states = ",".join(f"{d}{tuple(s)}" for s, d in zip(shapes, spec.dtypes, strict=True))
+    return int(spec.real_page_size_bytes), f"states[{states}]"
+
+
+def check_mamba_group(gi: int, spec: Any, blocks_per_chunk: int) -> None:
+    """Fail closed on state-space groups whose states kvsdk cannot place: only
+    vLLM's ``align`` mode keeps one state per block boundary (the one a hit
+    resumes from); other modes hold one running state per request."""
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        raise ConfigError(
+            f"KV group {gi}: state-space (Mamba) layers with mamba_cache_mode={mode!r} are not "
+            "supported by kvsdk; enable prefix caching so vLLM keeps states in 'align' mode"
+        )
+    if blocks_per_chunk != 1:
+        raise ConfigError(
+            f"chunk_tokens: a model with state-space (Mamba) layers keeps one state per "
+            f"{spec.block_size}-token block; expected chunk_tokens unset or {spec.block_size}"
+        )
+    if int(getattr(spec, "num_speculative_blocks", 0)):
+        raise ConfigError(
+            f"KV group {gi}: state-space (Mamba) layers with speculative decoding "
+            "(num_speculative_blocks > 0) are not supported by kvsdk yet"
+        )
+
+
 def check_process_layout(parallel: Any) -> None:
     """Fail closed on process layouts whose KV kvsdk cannot place yet."""
     unsupported = {
@@ -287,12 +320,8 @@ def engine_layout(
         if isinstance(spec, SlidingWindowSpec):
             kind, window = GroupKind.SLIDING_WINDOW, spec.sliding_window
         elif isinstance(spec, MambaSpec):
-            # the planner's Mamba path is not wired through this adapter yet: its
-            # states would be stored and loaded unverified, so nothing runs
-            raise ConfigError(
-                f"KV group {gi}: state-space (Mamba) layers, as in Mamba and hybrid models, "
-                "are not supported by kvsdk's vLLM adapter yet; run this model without kvsdk"
-            )
+            kind, window = GroupKind.MAMBA, None
+            check_mamba_group(gi, spec, bpc)
         elif isinstance(spec, FullAttentionSpec) and getattr(spec, "sliding_window", None) is None:
             kind, window = GroupKind.FULL_ATTENTION, None
         else:
@@ -300,10 +329,10 @@ def engine_layout(
                 f"KV group {gi}: {type(spec).__name__} is not supported by kvsdk yet "
                 "(full attention, sliding window and Mamba are)"
             )
-        page = int(spec.page_size_bytes)
+        page, dtype = _page_bytes_and_dtype(spec)
         groups.append(KVGroupSpec(gi, kind, bs, bpc, sliding_window_tokens=window))
         layers.append(tuple(group.layer_names))
-        layouts.append(GroupLayout((len(group.layer_names), page), str(spec.dtype), kind.value))
+        layouts.append(GroupLayout((len(group.layer_names), page), dtype, kind.value))
         # every stage's region fits the largest stage's layers
         stage_layers = math.ceil(len(group.layer_names) * stage_ratio - 1e-9)
         region_bytes = max(region_bytes, page * stage_layers * bpc)

@@ -83,16 +83,9 @@ def test_a_prefix_hash_that_is_not_collision_resistant_is_refused_with_a_shared_
         check_prefix_hash(algorithm, shared)
 
 
-def test_a_model_with_mamba_layers_is_refused_at_start_with_one_sentence(model_dir: str) -> None:
-    """Hybrid models (attention + Mamba state) give vLLM a MambaSpec group; until
-    kvsdk stores and verifies Mamba states end to end, such a model never runs."""
-    vllm_config = config(model_dir)
-    vllm_config.kv_transfer_config = KVTransferConfig(
-        kv_connector="KVSDKConnector", kv_role="kv_both"
-    )
+def hybrid_cache_config(mamba: MambaSpec) -> KVCacheConfig:
     attention = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.float32)
-    mamba = MambaSpec(block_size=32, shapes=((3, 64), (4, 16, 16)), dtypes=(torch.float32,) * 2)
-    kv_cache_config = KVCacheConfig(
+    return KVCacheConfig(
         num_blocks=16,
         kv_cache_tensors=[],
         kv_cache_groups=[
@@ -100,5 +93,27 @@ def test_a_model_with_mamba_layers_is_refused_at_start_with_one_sentence(model_d
             KVCacheGroupSpec(["model.layers.1.mixer"], mamba),
         ],
     )
-    with pytest.raises(ConfigError, match=r"KV group 1: state-space \(Mamba\) layers"):
-        engine_layout(vllm_config, kv_cache_config)
+
+
+def test_mamba_states_kvsdk_cannot_place_are_refused_at_start_with_one_sentence(
+    model_dir: str,
+) -> None:
+    """Outside vLLM's 'align' mode (prefix caching off) a request has one running
+    state, no state per block boundary to store or resume from: never served."""
+    vllm_config = config(model_dir)
+    vllm_config.kv_transfer_config = KVTransferConfig(
+        kv_connector="KVSDKConnector", kv_role="kv_both"
+    )
+    states = {"shapes": ((3, 64), (4, 16, 16)), "dtypes": (torch.float32,) * 2}
+    with pytest.raises(ConfigError, match=r"KV group 1: state-space \(Mamba\) layers with "
+                       r"mamba_cache_mode='none' are not supported"):  # fmt: skip
+        engine_layout(vllm_config, hybrid_cache_config(MambaSpec(block_size=32, **states)))
+    spec = MambaSpec(block_size=32, mamba_cache_mode="align", num_speculative_blocks=1, **states)
+    with pytest.raises(ConfigError, match=r"speculative decoding"):
+        engine_layout(vllm_config, hybrid_cache_config(spec))
+    # 'align' mode is served: the states' own bytes (not the padded page) per block
+    spec = MambaSpec(block_size=32, mamba_cache_mode="align", page_size_padded=8192, **states)
+    layout = engine_layout(vllm_config, hybrid_cache_config(spec))
+    assert [g.kind.value for g in layout.groups] == ["full_attention", "mamba"]
+    assert layout.namespace.groups[1].shape == (1, (3 * 64 + 4 * 16 * 16) * 4)
+    assert "float32(3, 64)" in layout.namespace.groups[1].dtype
