@@ -659,6 +659,12 @@ class DiskBackend(Backend):
         with self._lock:
             return self._counters["errors"]
 
+    def available(self) -> bool:
+        """False while every reader thread is held by a read past its deadline:
+        reads are then misses without touching the file system (``read_stalled``),
+        so they say nothing about whether it is back."""
+        return self._reader.late < self.options.read_workers
+
     def close(self) -> None:
         self._reader.close()
         if self._pool is not None:

@@ -423,6 +423,7 @@ def test_a_hung_read_is_a_miss_within_its_deadline(
     assert time.monotonic() - start < 0.2
     assert within_deadline(lambda: read(4, slots[4])) is False  # even an entry that is fine
     assert b.stats()["read_stalled"] == 2 and hang.blocked == 2
+    assert not b.available()  # its misses now do not ask the file system
     assert new_reader_threads(threads_before) == 2
     for i in (1, 2):  # the callers gave up: their slots are someone else's now
         slots[i][:] = b"\xab" * CHUNK
@@ -430,7 +431,7 @@ def test_a_hung_read_is_a_miss_within_its_deadline(
     deadline = time.monotonic() + DEADLINE_S
     while b.stats()["reads_blocked"] and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert b.stats()["reads_blocked"] == 0
+    assert b.stats()["reads_blocked"] == 0 and b.available()
     for i in (1, 2):
         assert bytes(slots[i]) == b"\xab" * CHUNK, "a late read wrote into a slot"
     for i in payloads:  # the file system is back: every entry hits
@@ -450,6 +451,7 @@ def test_one_hung_file_leaves_the_other_readers_serving(
     hang.paths = {os.path.realpath(b._path(chunk_key(1)))}
     slot = memoryview(bytearray(CHUNK))
     assert within_deadline(lambda: b.get_into([chunk_key(1)], [slot])) == [False]
+    assert b.available()  # one of two reader threads is free
     for _ in range(3):  # the other thread serves, every time
         assert within_deadline(lambda: b.get_into([chunk_key(2)], [slot])) == [True]
         assert bytes(slot) == bytes([2]) * CHUNK
