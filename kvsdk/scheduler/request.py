@@ -65,7 +65,9 @@ def chunks_to_store(
     r: RequestState, groups: Sequence[KVGroupSpec], upto: int
 ) -> tuple[list[Sequence[int]], list[ChunkKey]] | None:
     """Chunks of ``r`` complete at ``upto`` tokens and not offered yet: per
-    group the chunk indices, and their keys (None: nothing). Marks them offered."""
+    group the chunk indices, and their keys (None: nothing). Marks them offered.
+    An EAGLE drafter group's last complete chunk waits while the request
+    decodes (the drafter rewrites its last positions' KV) until it finishes."""
     chosen: list[Sequence[int]] = []
     keys: list[ChunkKey] = []
     for gi, g in enumerate(groups):
@@ -73,7 +75,10 @@ def chunks_to_store(
         ids = r.block_ids[gi]
         gkeys = r.keys[gi]
         first = r.next_store_chunk[gi]
-        stop = min(upto // g.tokens_per_chunk, len(gkeys), len(ids) // bpc)
+        complete = upto // g.tokens_per_chunk
+        if g.eagle and upto > r.num_prompt_tokens and not r.engine_finished:
+            complete -= 1  # a drafter's last chunk is volatile while it decodes
+        stop = min(complete, len(gkeys), len(ids) // bpc)
         if first >= stop:
             chosen.append(())
             continue

@@ -330,7 +330,10 @@ def engine_layout(
                 "(full attention, sliding window and Mamba are)"
             )
         page, dtype = _page_bytes_and_dtype(spec)
-        groups.append(KVGroupSpec(gi, kind, bs, bpc, sliding_window_tokens=window))
+        # vLLM marks the group holding an EAGLE/MTP drafter's layers when it drops
+        # their volatile last block from its own prefix hits; kvsdk does the same
+        eagle = bool(getattr(group, "is_eagle_group", False))
+        groups.append(KVGroupSpec(gi, kind, bs, bpc, sliding_window_tokens=window, eagle=eagle))
         layers.append(tuple(group.layer_names))
         layouts.append(GroupLayout((len(group.layer_names), page), dtype, kind.value))
         # every stage's region fits the largest stage's layers

@@ -78,7 +78,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 class Engine:
     """vLLM's Scheduler and the scheduler side of KVSDKConnector it built."""
 
-    def __init__(self, model: str, engine_id: str, num_blocks: int = NUM_BLOCKS) -> None:
+    def __init__(
+        self, model: str, engine_id: str, num_blocks: int = NUM_BLOCKS, *, eagle: bool = False
+    ) -> None:
+        """``eagle``: vLLM marks the group as holding an EAGLE/MTP drafter's layers."""
         self.num_blocks = num_blocks
         kvsdk.plugins.vllm.register()
         init_none_hash(sha256)
@@ -117,6 +120,7 @@ class Engine:
                     FullAttentionSpec(
                         block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float32
                     ),
+                    is_eagle_group=eagle,
                 )
             ],
         )

