@@ -66,6 +66,11 @@ class OffloadScheduler:
             mamba_align_tokens=mamba.pop() if mamba else None,  # a hit ends on a state
         )
         self._tails = tails_supported(self.groups)
+        self._batch_decode_stores = all(g.kind is GroupKind.FULL_ATTENTION for g in self.groups)
+        """Sliding-window and Mamba groups lose blocks while a request runs (the
+        engine frees what falls out of the window, or a state two blocks back, and
+        may hand it to another request): their chunks are stored in the step they
+        complete, where the store is fenced before any reuse, never batched."""
         self.ledger = JobLedger(num_workers)
         self._jobs = StoreJobs(self.groups, store, self.ledger)
         self.max_load_tokens = max_load_tokens
@@ -206,7 +211,7 @@ class OffloadScheduler:
         else:
             r.next_store_at = min((c + 1) * t for c, t in zip(r.next_store_chunk, tpcs))
         due = r.next_store_at
-        if due > r.num_prompt_tokens:  # generated tokens: store them in batches
+        if due > r.num_prompt_tokens and self._batch_decode_stores:  # generated: in batches
             due += (DECODE_STORE_CHUNKS - 1) * self._min_chunk_tokens
         if r.tail is not None and not r.tail.stored:
             due = min(due, r.tail.end)

@@ -14,14 +14,14 @@ from kvsdk.types import GroupKind, KVGroupSpec
 TPB = 4  # tokens per block = per chunk
 
 
-def make() -> OffloadScheduler:
+def make(kind: GroupKind = GroupKind.FULL_ATTENTION) -> OffloadScheduler:
     ns = Namespace("m", "float32", (GroupLayout((2, TPB, 1, 8), "float32"),), TPB)
     store = build_store(
         load_config({"chunk_tokens": TPB, "tiers": [{"backend": "cpu", "capacity": "1MiB"}]}),
         ns,
         256,
     )
-    return OffloadScheduler([KVGroupSpec(0, GroupKind.FULL_ATTENTION, TPB, 1)], ns, store)
+    return OffloadScheduler([KVGroupSpec(0, kind, TPB, 1)], ns, store)
 
 
 def chain(n: int, salt: bytes = b"") -> list[bytes]:
@@ -133,3 +133,26 @@ def test_a_store_flushed_after_its_blocks_were_rewritten_is_discarded() -> None:
         s.worker_results([WorkerResult(j.job_id) for j in jobs.stores])
         keys = s._requests["r"].keys[0]
         assert [s.store.host.slot_of(k) is not None for k in keys] == [stored, stored]
+
+
+def test_a_mamba_groups_generated_chunks_are_stored_in_the_step_they_complete() -> None:
+    """The engine frees a running request's Mamba state two blocks back (and a
+    sliding window's blocks out of the window): a batched store could read a
+    block another request has by then."""
+    s = make(GroupKind.MAMBA)
+    hashes = chain(2)
+    s.add_request("r", num_prompt_tokens=8, block_hashes=hashes)
+    assert s.lookup("r", 0) == 0
+    blocks = list(range(1, 20))
+    jobs = s.build_step(computed_after_step={"r": 8}, new_block_ids={"r": [blocks]},
+                        replace_block_ids=["r"])  # fmt: skip
+    assert stored_chunks(s, jobs) == [0, 1]
+    tokens, stored_at = 8, {}
+    while tokens < 8 + 3 * TPB:
+        tokens += 1
+        while len(hashes) < tokens // TPB:
+            hashes.append(chain(1, hashes[-1])[0])
+        s.hashes_grew("r", hashes)
+        for c in stored_chunks(s, s.build_step(computed_after_step={"r": tokens})):
+            stored_at[c] = tokens
+    assert stored_at == {2: 3 * TPB, 3: 4 * TPB, 4: 5 * TPB}  # each at its boundary
