@@ -44,9 +44,23 @@ What SGLang asks, and what kvsdk does:
 - A :class:`~kvsdk.store.factory.StoreHandle` owns the start (exporter,
   ``kvsdk_startup``) and the stop (``close``: tiers, ``kvsdk_shutdown``).
 
-Not covered: SGLang's v2 pool transfers (Mamba / SWA / indexer side pools of
-hybrid models) answer "nothing stored", so those models get misses;
-heterogeneous-TP head splitting (``tp_lcm_size``) is not supported.
+- Hybrid models: SGLang's ``HybridCacheController`` hands each side pool to
+  ``register_mem_host_pool_v2`` and moves it with ``PoolTransfer`` batches
+  (``batch_exists_v2`` / ``batch_get_v2`` / ``batch_set_v2``). A Mamba state
+  pool (``MambaPoolHost``, one state per radix node keyed by its last page
+  hash, ``TRAILING_PAGES``) is served: states go to their own tier chain, in
+  a namespace of the state shapes and dtypes with the TP rank (states are
+  TP-sharded, also beside MLA KV; every rank writes its own), moved through the
+  pool's flat page API; ``batch_exists_v2`` cuts the KV hit to the lengths whose
+  trailing state is stored (``restorable_prefix_pages``). Any other side pool
+  (sliding-window ``swa``, indexer, DeepSeek-V4 compressed, draft) is refused
+  at registration with a :class:`~kvsdk.config.ConfigError`, which fails
+  SGLang's attach; a transfer for a pool not served is a miss.
+
+Not covered: side pools other than Mamba (above); heterogeneous-TP head
+splitting (``tp_lcm_size``). The Mamba path is tested on SGLang's real
+``MambaPoolHost`` and controller registration, not with a hybrid model
+running (SGLang runs no model on CPU).
 """
 
 from __future__ import annotations
@@ -65,15 +79,18 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
     PoolTransfer,
     PoolTransferResult,
 )
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
 from kvsdk.backend import Backend
 from kvsdk.burst_log import BurstLog
 from kvsdk.config import ConfigError
-from kvsdk.events import KVEvent
-from kvsdk.keys import Namespace, chunk_keys, epoch_fingerprint
+from kvsdk.events import EventTracker, KVEvent
+from kvsdk.keys import GroupLayout, Namespace, chunk_keys, epoch_fingerprint
 from kvsdk.planner import LookupPlanner, PlanRequest
 from kvsdk.plugins.sglang.config import load_storage_config
 from kvsdk.plugins.sglang.pages import (
@@ -86,7 +103,8 @@ from kvsdk.plugins.sglang.pages import (
     tensor_bytes,
 )
 from kvsdk.store.chain import TierChain
-from kvsdk.store.factory import StoreHandle
+from kvsdk.store.factory import StoreHandle, build_tiers
+from kvsdk.trust import load_secret
 from kvsdk.types import ChunkKey, KVGroupSpec, LookupResult
 
 __all__ = ["CONFIG_ENV", "KVSDKStorage", "load_storage_config"]
@@ -140,6 +158,7 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         self._key_fp = b""  # the namespace's key-derivation key in this instance's epoch
         self.mem_pool_host: Any = None
         self._planner: LookupPlanner | None = None
+        self._mamba: _MambaPool | None = None  # SGLang's Mamba state host pool (v2)
         self._sglang_stats: dict[str, list[float]] = {
             "prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []
         }  # fmt: skip
@@ -347,26 +366,142 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             self.metrics.inc("kvsdk_hit_tokens_total", hits * self.geometry.page_tokens)
         return hits
 
-    # -- SGLang's v2 pool transfers: side pools are not stored ------------------------
+    # -- SGLang's v2 pool transfers: Mamba states beside the KV pages ----------------
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang hands over a hybrid model's side pool (after the KV pool): a
+        Mamba state pool is served, any other is refused (the attach fails)."""
+        name = str(host_pool_name)
+        if name == PoolName.KV.value:  # the anchor, served through v1
+            return
+        if (
+            name != PoolName.MAMBA.value
+            or not isinstance(host_pool, MambaPoolHost)
+            or int(host_pool.page_size) != 1
+        ):
+            raise ConfigError(
+                f"hicache pool {name!r} ({type(host_pool).__name__}): kvsdk's SGLang storage "
+                "serves the KV pool and a hybrid model's Mamba state pool only, not this pool "
+                "(sliding-window, indexer, compressed or draft pools are not supported)"
+            )
+        if self.pool is None:
+            raise ConfigError(
+                "hicache pool 'mamba': kvsdk needs SGLang's KV host pool registered first"
+            )
+        namespace = _mamba_namespace(
+            self.storage_config, self.config, host_pool, self.pool.geometry.page_tokens
+        )
+        nbytes = int(host_pool.size_per_token)
+        if self._mamba is not None:
+            self._mamba.chain.close()
+        tiers = build_tiers(replace(self.config, tiers=self._tier_configs), namespace, nbytes)
+        chain = TierChain(
+            tiers,
+            metrics=self.metrics,
+            events=EventTracker(enabled=False),  # events name KV pages only
+            item_bytes=nbytes,
+            copy_up=True,
+        )
+        self._mamba = _MambaPool(host_pool, chain, namespace, namespace.fingerprint, nbytes)
+        log.info(
+            "kvsdk storage for SGLang: Mamba states, namespace %s, %d-byte states",
+            namespace.hex,
+            nbytes,
+        )
+
     def batch_exists_v2(
         self,
         keys: list[str],
         pool_transfers: list[PoolTransfer] | None = None,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
-        if pool_transfers:
+        """The KV prefix, cut to the lengths at which every side pool can
+        restore its trailing pages (a Mamba state: the state at that page)."""
+        kv = self.batch_exists(keys, extra_info)
+        if not pool_transfers:
+            return PoolTransferResult(kv, {})
+        restorable = set(range(1, kv + 1))
+        hits: dict[str, int] = {PoolName.KV.value: kv} if kv else {}
+        try:
+            for t in pool_transfers:
+                mamba = self._side(t)
+                if mamba is None or t.hit_policy != PoolHitPolicy.TRAILING_PAGES:
+                    return PoolTransferResult(0, {})  # a pool kvsdk does not store: a miss
+                trailing = max(1, len(t.keys or ()))
+                ckeys = chunk_keys(mamba.key_fp, [page_key_bytes(h) for h in keys[:kv]], 0)
+                present = [w > 0 for w in mamba.chain.lookup(ckeys)] if ckeys else []
+                ok = {p for p in range(1, kv + 1) if all(present[max(0, p - trailing) : p])}
+                if ok:
+                    hits[str(t.name)] = max(ok)
+                restorable &= ok
+        except Exception as exc:
+            self._failure("exists", exc)
             return PoolTransferResult(0, {})
-        return PoolTransferResult(self.batch_exists(keys, extra_info), {})
+        order = sorted(restorable)
+        return PoolTransferResult(order[-1] if order else 0, hits, order)
 
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        return {str(t.name): [False] * len(t.keys or []) for t in transfers}
+        """Read each transfer's pages (Mamba states) into its host slots."""
+        out: dict[str, list[bool]] = {}
+        for t in transfers:
+            keys, slots, mamba = self._side_io(t)
+            if mamba is None or slots is None:
+                out[str(t.name)] = [False] * len(keys)
+                continue
+            try:
+                pool = mamba.host_pool
+                targets = [pool.get_dummy_flat_data_page() for _ in keys]
+                views = [tensor_bytes(x) for x in targets]
+                addrs = np.asarray([[address(v)] for v in views], dtype=np.int64)
+                assert self.pool is not None
+                where = self.pool.read(
+                    mamba.chain, mamba.keys(keys), HostPages(addrs, (mamba.nbytes,), None)
+                )
+                ok = [w > 0 for w in where]
+                for slot, page, hit in zip(slots, targets, ok):
+                    if hit:
+                        pool.set_from_flat_data_page(slot, page)
+            except Exception as exc:
+                self._failure("get", exc)
+                ok = [False] * len(keys)
+            out[str(t.name)] = ok
+        return out
 
     def batch_set_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        return {str(t.name): [False] * len(t.keys or []) for t in transfers}
+        """Store each transfer's pages (Mamba states) from its host slots. Every
+        rank writes its own (Mamba states are TP-sharded, even beside MLA)."""
+        out: dict[str, list[bool]] = {}
+        for t in transfers:
+            keys, slots, mamba = self._side_io(t)
+            if mamba is None or slots is None:
+                out[str(t.name)] = [False] * len(keys)
+                continue
+            try:
+                pool = mamba.host_pool
+                pages = [pool.get_data_page(slot, flat=True).contiguous() for slot in slots]
+                ok = mamba.chain.write_through(mamba.keys(keys), [tensor_bytes(p) for p in pages])
+            except Exception as exc:
+                self._failure("put", exc)
+                ok = [False] * len(keys)
+            out[str(t.name)] = ok
+        return out
+
+    def _side(self, t: PoolTransfer) -> _MambaPool | None:
+        if str(t.name) == PoolName.MAMBA.value and self.ready:
+            return self._mamba
+        return None
+
+    def _side_io(self, t: PoolTransfer) -> tuple[list[str], list[int] | None, _MambaPool | None]:
+        """The keys, host slots and pool of a v2 transfer (slots None: unusable)."""
+        keys = list(t.keys or ())
+        mamba = self._side(t)
+        idx = t.host_indices
+        if mamba is None or idx is None or int(idx.numel()) != len(keys):
+            return keys, None, mamba
+        return keys, [int(i) for i in idx.tolist()], mamba
 
     # -- housekeeping -----------------------------------------------------------------
     def clear(self) -> None:
@@ -378,6 +513,10 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         if self.chain is None or self.namespace is None:
             return
         self._key_fp = epoch_fingerprint(self.namespace.fingerprint, os.urandom(16))
+        if self._mamba is not None:
+            self._mamba.key_fp = epoch_fingerprint(
+                self._mamba.namespace.fingerprint, os.urandom(16)
+            )
         for t in self.chain.numbers:
             self.chain.cleared(t)
         self.chain.publish()
@@ -418,6 +557,9 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             return self.events.take_events()
 
     def close(self) -> None:
+        if self._mamba is not None:
+            self._mamba.chain.close()
+            self._mamba = None
         self.handle.close()
 
     # -- helpers ----------------------------------------------------------------------
@@ -452,3 +594,52 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         self._burst.warning(
             f"batch-{op}", "kvsdk storage: %s failed, treated as misses: %r", op, exc
         )
+
+
+class _MambaPool:
+    """SGLang's Mamba state host pool (one state per page key) and its tier chain."""
+
+    def __init__(
+        self, host_pool: Any, chain: TierChain, namespace: Namespace, key_fp: bytes, nbytes: int
+    ) -> None:
+        self.host_pool = host_pool
+        self.chain = chain
+        self.namespace = namespace
+        self.key_fp = key_fp
+        self.nbytes = nbytes
+
+    def keys(self, page_hashes: Sequence[str]) -> list[ChunkKey]:
+        return chunk_keys(self.key_fp, [page_key_bytes(h) for h in page_hashes], 0)
+
+
+def _mamba_namespace(
+    storage_config: HiCacheStorageConfig, config: Any, host_pool: Any, page_tokens: int
+) -> Namespace:
+    """Which Mamba states are interchangeable: model, state shapes and dtypes, TP
+    rank (states are TP-sharded, also beside MLA KV), PP stage, KV page size."""
+    shapes = {
+        "temporal": list(host_pool.temporal_state_shape),
+        "conv": [list(c) for c in host_pool.conv_state_shapes],
+        "layers": int(host_pool.num_mamba_layers),
+        "extra": [[list(b.shape[1:]), str(b.dtype)] for b in host_pool.slot_state_device_tensors],
+    }
+    dtype = f"{host_pool.temporal_dtype}/{host_pool.conv_dtype}"
+    return Namespace(
+        model=config.model_id or storage_config.model_name or "unknown-model",
+        dtype=dtype,
+        groups=(
+            GroupLayout(
+                shape=(int(host_pool.size_per_token),), dtype="|u1", layout=f"sglang/mamba/{shapes}"
+            ),
+        ),
+        tokens_per_chunk=page_tokens,
+        rank=int(storage_config.tp_rank),
+        world_size=int(storage_config.tp_size),
+        tenant_salt=config.tenant,
+        extra=(
+            ("engine", "sglang"),
+            ("pool", "mamba"),
+            ("pp", f"{storage_config.pp_rank}/{storage_config.pp_size}"),
+        ),
+        secret=load_secret(config.secret_file),
+    )
