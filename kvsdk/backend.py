@@ -27,7 +27,7 @@ overrides it and says so in a class flag, so callers never probe with
 ``getattr`` or compare methods:
 
 - ``get_into(keys, outs)``       read payloads into caller buffers; native
-                                  (no intermediate copy) when ``supports_get_into``
+                                  (no whole-payload bytes object) when ``supports_get_into``
 - ``put_parts`` / ``get_into_parts``  payloads as lists of buffers; native
                                   (``writev`` / ``readv``) when ``supports_scatter_gather``
 - ``capacity_bytes()``           bytes the tier may hold, or None (unbounded / unknown)
@@ -113,7 +113,9 @@ class Backend(ABC):
     supports_listing: ClassVar[bool] = False
     """``iter_keys`` lists the stored keys."""
     supports_get_into: ClassVar[bool] = False
-    """``get_into`` reads straight into the caller's buffers (no intermediate copy)."""
+    """``get_into`` fills the caller's buffers without building the payload as a
+    bytes object (a tier may still read into a private buffer first: the disk
+    tier does, so a read past its deadline never writes into caller memory)."""
     supports_scatter_gather: ClassVar[bool] = False
     """``put_parts`` / ``get_into_parts`` move a payload's parts as they are (no join)."""
 

@@ -61,6 +61,10 @@ def test_each_input_that_changes_the_meaning_of_kv_changes_the_namespace(
         "hf_config": meaning_of_kv(config(model_dir, hf_overrides={"rope_theta": 5e5})),
         "prefix_hash": meaning_of_kv(config(model_dir, prefix_caching_hash_algo="sha256_cbor")),
     }
+    variants["kv_cache_dtype"] = meaning_of_kv(config(model_dir, cache_dtype="fp8"))
+    with_backend = config(model_dir)
+    with_backend.attention_config.backend = "FLEX_ATTENTION"  # as --attention-backend sets it
+    variants["attention_backend"] = meaning_of_kv(with_backend)
     monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "HND")
     variants["kv_cache_layout"] = meaning_of_kv(config(model_dir))
     for field, meaning in variants.items():
