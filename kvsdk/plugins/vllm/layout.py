@@ -237,6 +237,33 @@ def _page_bytes_and_dtype(spec: Any) -> tuple[int, str]:
     return int(spec.real_page_size_bytes), f"states[{states}]"
 
 
+def group_kind(gi: int, spec: Any) -> tuple[GroupKind, int | None]:
+    """The kvsdk group kind (and sliding window) of a vLLM KV cache spec. Exact
+    types only: a subclass can change which blocks hold what (R-SWA evicts the
+    decode gap, sinks keep extra tokens), so an untested one is refused."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    kind = type(spec)
+    if kind is SlidingWindowSpec:
+        return GroupKind.SLIDING_WINDOW, int(spec.sliding_window)
+    if kind is MambaSpec:
+        return GroupKind.MAMBA, None
+    if kind in (FullAttentionSpec, MLAAttentionSpec) and (
+        getattr(spec, "sliding_window", None) is None
+        and getattr(spec, "attention_chunk_size", None) is None
+    ):
+        return GroupKind.FULL_ATTENTION, None
+    raise ConfigError(
+        f"KV group {gi}: {kind.__name__} is not supported by kvsdk yet (full attention, "
+        "MLA, sliding window and Mamba are); run this model without kvsdk"
+    )
+
+
 def check_mamba_group(gi: int, spec: Any, blocks_per_chunk: int) -> None:
     """Fail closed on state-space groups whose states kvsdk cannot place: only
     vLLM's ``align`` mode keeps one state per block boundary (the one a hit
@@ -297,8 +324,6 @@ def engine_layout(
     """``kv_cache_config`` is the calling process's: the scheduler's (pipeline
     stage 0's layers) or a worker's (its own stage's, ``pp_rank``). ``announce``:
     log the config's source (the scheduler side, once per engine)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
-
     kv_cfg = vllm_config.kv_transfer_config
     cfg = load_engine_config(dict(kv_cfg.kv_connector_extra_config or {}), announce=announce)
     parallel = vllm_config.parallel_config
@@ -317,18 +342,9 @@ def engine_layout(
                 f"block size {bs} (KV group {gi}), or unset for the block size"
             )
         bpc = 1 if cfg.chunk_tokens is None else cfg.chunk_tokens // bs
-        if isinstance(spec, SlidingWindowSpec):
-            kind, window = GroupKind.SLIDING_WINDOW, spec.sliding_window
-        elif isinstance(spec, MambaSpec):
-            kind, window = GroupKind.MAMBA, None
+        kind, window = group_kind(gi, spec)
+        if kind is GroupKind.MAMBA:
             check_mamba_group(gi, spec, bpc)
-        elif isinstance(spec, FullAttentionSpec) and getattr(spec, "sliding_window", None) is None:
-            kind, window = GroupKind.FULL_ATTENTION, None
-        else:
-            raise ConfigError(
-                f"KV group {gi}: {type(spec).__name__} is not supported by kvsdk yet "
-                "(full attention, sliding window and Mamba are)"
-            )
         page, dtype = _page_bytes_and_dtype(spec)
         # vLLM marks the group holding an EAGLE/MTP drafter's layers when it drops
         # their volatile last block from its own prefix hits; kvsdk does the same

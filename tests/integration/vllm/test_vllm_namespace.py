@@ -14,10 +14,13 @@ import torch
 from transformers import LlamaConfig
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
+    RSWASpec,
+    SinkFullAttentionSpec,
 )
 
 from kvsdk.config import ConfigError, load_config
@@ -85,6 +88,39 @@ def test_a_prefix_hash_that_is_not_collision_resistant_is_refused_with_a_shared_
         check_prefix_hash(algorithm, alone)  # one process's own host tier: no one to collide with
     for algorithm in ("sha256", "sha256_cbor"):
         check_prefix_hash(algorithm, shared)
+
+
+def test_a_kv_cache_spec_kvsdk_has_not_tested_is_refused_at_start_with_one_sentence(
+    model_dir: str,
+) -> None:
+    """Subclasses of the specs kvsdk serves change which blocks hold what (R-SWA
+    evicts the decode gap, sinks keep extra tokens): refused, never guessed."""
+    vllm_config = config(model_dir)
+    vllm_config.kv_transfer_config = KVTransferConfig(
+        kv_connector="KVSDKConnector", kv_role="kv_both"
+    )
+    shape = {"block_size": 32, "num_kv_heads": 2, "head_size": 16, "dtype": torch.float32}
+    for spec in (
+        RSWASpec(rswa_window=64, **shape),
+        SinkFullAttentionSpec(sink_len=4, **shape),
+        ChunkedLocalAttentionSpec(attention_chunk_size=64, **shape),
+    ):
+        kv_cache_config = KVCacheConfig(
+            num_blocks=16,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
+        )
+        name = type(spec).__name__
+        with pytest.raises(ConfigError, match=rf"^KV group 0: {name} is not supported by kvsdk"):
+            engine_layout(vllm_config, kv_cache_config)
+    plain = KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["model.layers.0.self_attn.attn"], FullAttentionSpec(**shape))
+        ],
+    )
+    assert [g.kind.value for g in engine_layout(vllm_config, plain).groups] == ["full_attention"]
 
 
 def hybrid_cache_config(mamba: MambaSpec) -> KVCacheConfig:
