@@ -10,7 +10,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from kvsdk import plugins_manager
 from kvsdk.config import ConfigError, KVSDKConfig, load_config
@@ -18,6 +18,7 @@ from kvsdk.keys import GroupLayout, Namespace
 from kvsdk.slab import segment_name
 from kvsdk.trust import load_secret
 from kvsdk.types import GroupKind, KVGroupSpec, Locality
+from kvsdk.weights import weights_fingerprint
 
 log = logging.getLogger("vllm.kvsdk")  # shown by vLLM's own log handler
 
@@ -90,67 +91,20 @@ def load_engine_config(extra: dict[str, Any], *, announce: bool = False) -> KVSD
 
 
 _PAGE = 4096
-_SAMPLES_PER_TENSOR = 16
-_SAMPLE_BYTES = 256
-
-
-def _sample_safetensors(fh: BinaryIO, size: int, h: Any) -> bool:
-    """Hash a safetensors file's header (every tensor's name, dtype, shape and
-    offsets) and samples spread over *every* tensor's bytes, so two models
-    that differ in any tensor (a fine-tune of a few layers) differ here.
-    False if the file is not safetensors."""
-    raw = fh.read(8)
-    if len(raw) < 8:
-        return False
-    header_len = int.from_bytes(raw, "little")
-    if not 0 < header_len <= min(size - 8, 100 << 20):
-        return False
-    header = fh.read(header_len)
-    try:
-        meta = json.loads(header)
-    except ValueError:
-        return False
-    h.update(header)
-    base = 8 + header_len
-    for name in sorted(k for k in meta if k != "__metadata__"):
-        begin, end = meta[name].get("data_offsets", (0, 0))
-        length = max(0, int(end) - int(begin))
-        step = max(1, length // _SAMPLES_PER_TENSOR)
-        for off in range(0, length, step)[:_SAMPLES_PER_TENSOR]:
-            fh.seek(base + int(begin) + off)
-            h.update(fh.read(min(_SAMPLE_BYTES, length - off)))
-        if length > _SAMPLE_BYTES:
-            fh.seek(base + int(end) - _SAMPLE_BYTES)
-            h.update(fh.read(_SAMPLE_BYTES))
-    return True
 
 
 def _weights_fingerprint(model: str, revision: str | None = None) -> str:
-    """Identity of the weights: for a local directory, every safetensors
-    tensor's header entry and bytes sampled across each tensor (other weight
-    files: names, sizes, head and tail); for a hub id, the same of its local
-    snapshot, named by its commit (never an empty string: an unresolved hub
-    id is ``rev=<revision or 'unpinned'>``)."""
+    """Identity of the weights: every byte of every weight file
+    (:func:`kvsdk.weights.weights_fingerprint`) of a local directory, or of a
+    hub id's local snapshot, named by its commit (never an empty string: an
+    unresolved hub id is ``rev=<revision or 'unpinned'>``)."""
     root = Path(model)
-    h = hashlib.blake2b(digest_size=16)
-    if not root.is_dir():
-        snapshot = _hub_snapshot(model, revision)
-        if snapshot is None:
-            return f"rev={revision or 'unpinned'}"
-        root = snapshot
-        h.update(b"commit=" + snapshot.name.encode())
-    for f in sorted(root.glob("*.safetensors")) + sorted(root.glob("*.bin")):
-        size = f.stat().st_size
-        h.update(f.name.encode() + size.to_bytes(8, "little"))
-        with f.open("rb") as fh:
-            if f.suffix == ".safetensors" and _sample_safetensors(fh, size, h):
-                continue
-            fh.seek(0)
-            h.update(fh.read(1 << 16))
-            if size > 1 << 17:
-                fh.seek(-(1 << 16), os.SEEK_END)
-                h.update(fh.read(1 << 16))
-    return h.hexdigest()
+    if root.is_dir():
+        return weights_fingerprint(root)
+    snapshot = _hub_snapshot(model, revision)
+    if snapshot is None:
+        return f"rev={revision or 'unpinned'}"
+    return f"commit={snapshot.name}:{weights_fingerprint(snapshot)}"
 
 
 COLLISION_RESISTANT_HASHES = frozenset({"sha256", "sha256_cbor"})
