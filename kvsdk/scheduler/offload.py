@@ -78,6 +78,8 @@ class OffloadScheduler:
         self._requests: dict[ReqKey, RequestState] = {}
         self._retired = 0
         """Incarnations retired so far (a reused id: see :meth:`add_request`)."""
+        self._resets = 0
+        """Resets so far: a hit promised before one cannot be loaded after it."""
         self._finishing: dict[ReqId, list[ReqKey]] = {}
         """Per id, retired incarnations the engine finished whose final step is next."""
         self._being_loaded: dict[ChunkKey, int] = {}
@@ -268,6 +270,7 @@ class OffloadScheduler:
             self.metrics.observe("kvsdk_lookup_delay_seconds", now - r.deferred_since, kind="async")
             r.deferred_since = None
         self._hit_tokens += hit
+        r.hit_resets = self._resets
         return hit
 
     def _with_tail(self, r: RequestState, computed: int, hit: int) -> int | None:
@@ -294,6 +297,13 @@ class OffloadScheduler:
             self.ledger.blocks_allocated(ids)
         if num_external_tokens == 0:
             return
+        if r.hit_resets != self._resets:
+            # its chunks left with the reset; vLLM never allocates across one
+            # (lookup and allocation happen in one scheduler step)
+            raise RuntimeError(
+                f"kvsdk: request {req_id!r} was allocated {num_external_tokens} tokens promised "
+                "before a reset; look it up again after reset_prefix_cache"
+            )
         end = r.num_computed_local + num_external_tokens
         keys, per_group = load_copies(r, self.groups, end)
         slots = dict(zip(keys, self.store.prepare_load(keys)))
@@ -526,6 +536,7 @@ class OffloadScheduler:
         tiers keep every entry for the other instances (a full wipe is
         ``kvsdk clear``)."""
         self.ns_fp = epoch_fingerprint(self.namespace.fingerprint, os.urandom(16))
+        self._resets += 1
         flush = self.ledger.reset()
         # finished requests store nothing more: their KV predates the reset
         for req_id in [rid for rid, r in self._requests.items() if r.finished or r.engine_finished]:

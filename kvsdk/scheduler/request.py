@@ -35,6 +35,8 @@ class RequestState:
     """Tokens whose KV the engine computed, as reported at its finish."""
     tail: PromptTail | None = None
     """The prompt's last, partial chunk as its own entry (see :mod:`kvsdk.scheduler.tail`)."""
+    hit_resets: int = -1
+    """The scheduler's reset count when ``lookup`` last promised a hit."""
 
     def chunk_key(self, gi: int, c: int) -> ChunkKey:
         """Key of chunk ``c`` of group ``gi``: a whole chunk's, or past them the tail's."""

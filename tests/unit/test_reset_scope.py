@@ -147,3 +147,32 @@ def test_kvsdk_clear_wipes_only_with_yes(
     assert main(["clear", str(cfg), "--namespace", NS.hex, "--yes"]) == 0
     assert "3 chunks deleted" in capsys.readouterr().out
     assert files() == []
+
+
+def test_a_hit_promised_before_a_reset_is_never_loaded_after_it(tmp_path: Path) -> None:
+    """vLLM looks up and allocates in one scheduler step, and resets between
+    steps; a caller that allocates across a reset gets a clear error, never a
+    load from chunks that left with the reset."""
+    a = scheduler_on(tmp_path)
+    hashes = chain(3)
+    assert lookup(a, "r1", hashes) == 0
+    jobs = a.build_step(
+        computed_after_step={"r1": 13}, new_block_ids={"r1": [[1, 2, 3, 4]]},
+        replace_block_ids=["r1"],
+    )  # fmt: skip
+    a.worker_results([WorkerResult(j.job_id) for j in jobs.stores])
+    a.request_finished("r1", 13)
+    a.build_step(computed_after_step={}, finished={"r1": 13})
+    assert lookup(a, "r2", hashes) == 12
+    a.reset()
+    with pytest.raises(RuntimeError, match=r"promised before a reset; look it up again"):
+        a.allocated("r2", [[5, 6, 7, 8]], 12)
+    for _ in range(200):  # looked up again: a miss in the new epoch
+        if (hit := a.lookup("r2", 0)) is not None:
+            break
+        a.build_step(computed_after_step={})
+        time.sleep(0.002)
+    assert hit == 0
+    a.allocated("r2", [[5, 6, 7, 8]], 0)
+    assert not a.build_step(computed_after_step={}).loads
+    a.store.shutdown()
