@@ -97,6 +97,9 @@ def _bench_serve(args: argparse.Namespace) -> int:
         users=args.users,
         rounds=args.rounds,
         seed=args.seed,
+        threads=args.threads,
+        configs=("none", *(c for c in args.configs.split(",") if c and c != "none")),
+        repeats=args.repeats,
         progress=not args.no_progress,
     )
     print(bench_serve.format_report(result))
@@ -180,6 +183,19 @@ def kvsdk_register_commands(commands: CommandRegistry) -> None:
     serve.add_argument("--users", type=int, default=4)
     serve.add_argument("--rounds", type=int, default=4)
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument(
+        "--threads",
+        type=int,
+        help="OpenMP threads per engine (OMP_NUM_THREADS); default: vLLM's (every core)",
+    )
+    serve.add_argument(
+        "--configs",
+        default="none,kvsdk,native",
+        help="comma-separated, of none,kvsdk,native (none always runs: the baseline)",
+    )
+    serve.add_argument(
+        "--repeats", type=int, default=1, help="passes in both orders (1: each config twice)"
+    )
     serve.add_argument("--out", default="out/bench_serve.json")
     serve.add_argument("--model-dir", default="out/models/serve-llama")
     serve.add_argument("--no-progress", action="store_true")

@@ -21,3 +21,19 @@ def use_cpu_engine_defaults(kv_cache_gib: int) -> None:
     """
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+
+
+def engine_block_size(model: str, *, max_model_len: int) -> int:
+    """The KV block size vLLM picks for ``model`` when none is given (its
+    platform's default: 128 tokens on vLLM-CPU for Llama-like models), so that a
+    workload can size a KV budget in whole blocks before building the engine."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=model,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=max_model_len,
+    )
+    return int(args.create_engine_config().cache_config.block_size)

@@ -3,27 +3,41 @@
 A multi-round chat workload (users x rounds, a shared system prompt, each
 turn carrying the conversation so far, as LMCache's and vLLM's multi-turn
 benchmarks do) runs under three engine configurations, each in its own
-process, with the same small KV budget (so vLLM's own prefix cache cannot
-keep every conversation):
+process, with the same small KV budget (``KV_BUDGET_TOKENS``: vLLM's own
+prefix cache keeps the conversations at high reuse, not at low reuse):
 
 - ``none``: no connector (vLLM's own prefix cache only);
-- ``kvsdk``: ``KVSDKConnector`` with its default host-RAM tier;
-- ``native``: vLLM's ``OffloadingConnector`` with a CPU tier of the same size
-  (on vLLM-CPU through :mod:`kvsdk.plugins.vllm.workloads.native_offload`).
+- ``kvsdk``: ``KVSDKConnector`` at its defaults (offload unit: the engine's
+  block size), a host-RAM tier of ``HOST_BYTES``;
+- ``native``: vLLM's ``OffloadingConnector`` at its defaults with a CPU tier
+  of the same size (on vLLM-CPU through
+  :mod:`kvsdk.plugins.vllm.workloads.native_offload`).
+
+vLLM runs with its defaults: its default executor (EngineCore and model
+worker in processes of their own) and block size (128 tokens on vLLM-CPU);
+prompt lengths are not multiples of it. ``--threads`` sets the OpenMP
+threads of every engine (``OMP_NUM_THREADS``; unset: vLLM's default, every
+core).
 
 The reuse rate ``r`` is the share of a turn's prompt that repeats earlier
 turns: each turn adds ``(1 - r) / r`` times the history's length in new
-tokens (``r = 0``: every request is a fresh conversation). The three
-configurations run one after another, then again in reverse order, and each
-figure is the mean of the two (drift on a shared machine cancels). It writes
-``out/bench_serve.json`` and ``out/bench_serve.png``: TTFT p50/p99 and
-throughput against the reuse rate, and the cost at 0 % reuse.
+tokens (``r = 0``: every request is a fresh conversation); a conversation
+that would outgrow ``MAX_PROMPT_TOKENS`` starts again from the system prompt.
+The three configurations run one after another, then again in reverse order,
+and each figure is the mean of the two (drift on a shared machine cancels);
+the ratios to ``none`` are taken per order, then averaged. Per reuse rate it
+reports TTFT p50/p99, throughput, the tokens vLLM served from cache, and
+vLLM's own split of each request's TTFT (queued until first scheduled, then
+scheduled until its first token). It writes ``out/bench_serve.json`` and
+``out/bench_serve.png``: TTFT p50/p99 and throughput against the reuse rate,
+and the cost at 0 % reuse.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -33,11 +47,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvsdk.plugins.vllm.workloads import use_cpu_engine_defaults
+from kvsdk.plugins.vllm.workloads import engine_block_size, use_cpu_engine_defaults
 
 CONFIGS = ("none", "kvsdk", "native")
 HOST_BYTES = 1 << 30
 NATIVE_SPEC_MODULE = "kvsdk.plugins.vllm.workloads.native_offload"
+KV_BUDGET_TOKENS = 6144
+"""vLLM's KV cache, in tokens (rounded down to whole blocks): at 90 % reuse the
+four conversations fit, at 75 % and below they do not."""
+MAX_MODEL_LEN = 4096
+MAX_TOKENS = 16
+MAX_PROMPT_TOKENS = MAX_MODEL_LEN - MAX_TOKENS
 
 
 def conversations(
@@ -45,15 +65,20 @@ def conversations(
     users: int,
     rounds: int,
     seed: int,
-    system_tokens: int = 256,
-    turn_tokens: int = 384,
+    system_tokens: int = 600,
+    turn_tokens: int = 700,
 ) -> list[list[list[int]]]:
     """Per round, each user's prompt. A turn repeats the history (share ``reuse``
-    of the prompt) and adds new tokens; at 0 reuse every prompt is fresh."""
+    of the prompt) and adds new tokens; at 0 reuse every prompt is fresh. Each
+    turn's new tokens get 0-63 more at random: prompt lengths fall anywhere
+    within a block, as real prompts do."""
     rng = random.Random(seed)
 
     def toks(n: int) -> list[int]:
         return [rng.randrange(3, 32000) for _ in range(n)]
+
+    def new_tokens(history: int) -> int:
+        return max(16, int(history * (1 - reuse) / reuse)) + rng.randrange(64)
 
     system = toks(system_tokens)
     history = [list(system) for _ in range(users)]
@@ -62,12 +87,15 @@ def conversations(
         prompts = []
         for u in range(users):
             if reuse <= 0:
-                prompt = toks(system_tokens + turn_tokens)
+                prompt = toks(system_tokens + turn_tokens + rng.randrange(64))
             else:
-                new = max(16, int(len(history[u]) * (1 - reuse) / reuse))
-                prompt = history[u] + toks(min(new, 2048))
+                new = new_tokens(len(history[u]))
+                if len(history[u]) + new > MAX_PROMPT_TOKENS:  # a new conversation
+                    history[u] = list(system)
+                    new = new_tokens(len(system))
+                prompt = history[u] + toks(min(new, MAX_PROMPT_TOKENS - len(history[u])))
                 history[u] = prompt + toks(16)  # the assistant's answer, as the next turn sees it
-            prompts.append(prompt[-3500:])
+            prompts.append(prompt)
         out.append(prompts)
     return out
 
@@ -77,18 +105,15 @@ def engine(model: str, config: str) -> Any:
     from vllm import LLM
 
     kw: dict[str, Any] = {}
-    if config == "kvsdk":
+    if config == "kvsdk":  # kvsdk's defaults (chunk_tokens unset: the block size)
         kw["kv_transfer_config"] = {
             "kv_connector": "KVSDKConnector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
-                "config": {
-                    "chunk_tokens": 32,
-                    "tiers": [{"backend": "cpu", "capacity": HOST_BYTES}],
-                }
+                "config": {"tiers": [{"backend": "cpu", "capacity": HOST_BYTES}]}
             },
         }
-    elif config == "native":
+    elif config == "native":  # its defaults (one block per offloaded block)
         kw["kv_transfer_config"] = {
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
@@ -96,20 +121,20 @@ def engine(model: str, config: str) -> Any:
                 "spec_name": "TorchCPUOffloadingSpec",
                 "spec_module_path": NATIVE_SPEC_MODULE,
                 "cpu_bytes_to_use": HOST_BYTES,
-                "block_size": 32,
             },
             "kv_load_failure_policy": "recompute",
         }
+    # vLLM's default block size; a budget of whole blocks: earlier turns fall out of its cache
+    blocks = KV_BUDGET_TOKENS // engine_block_size(model, max_model_len=MAX_MODEL_LEN)
     return LLM(
         model=model,
         skip_tokenizer_init=True,
         enforce_eager=True,
         dtype="float32",
-        block_size=32,
-        max_model_len=4096,
+        max_model_len=MAX_MODEL_LEN,
         seed=0,
         max_num_seqs=8,
-        num_gpu_blocks_override=160,  # 5k tokens: earlier turns fall out of vLLM's cache
+        num_gpu_blocks_override=blocks,
         disable_log_stats=False,
         **kw,
     )
@@ -124,9 +149,10 @@ def run_config(
     llm = engine(model, config)
     try:
         results = _run_reuses(llm, config, reuses, users, rounds, seed)
+        block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)
     finally:
         shutdown(llm)  # now, not at interpreter exit (which can hang on the EngineCore)
-    out.write_text(json.dumps(results))
+    out.write_text(json.dumps({"results": results, "block_size": block_size}))
 
 
 def _run_reuses(
@@ -137,21 +163,29 @@ def _run_reuses(
 
     from kvsdk.plugins.vllm.workloads.stats_probe import reset_caches
 
-    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=[5] * 64)], sp, use_tqdm=False)  # warm-up
     results: dict[str, Any] = {}
     for reuse in reuses:
         reset_caches(llm, connector=config != "none")  # retried while blocks are held
         ttfts: list[float] = []
-        cached = tokens = 0
+        queued: list[float] = []  # vLLM's own split: queued until first scheduled,
+        prefill: list[float] = []  # then scheduled until the first token
+        cached = tokens = prompt_tokens = 0
+        load = os.getloadavg()[0]
         t0 = time.perf_counter()
         for prompts in conversations(reuse, users, rounds, seed):
             outs = llm.generate(
                 [TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False
             )
             for o in outs:
-                ttfts.append(o.metrics.first_token_latency if o.metrics else float("nan"))
+                m = o.metrics
+                ttfts.append(m.first_token_latency if m else float("nan"))
+                if m is not None and m.scheduled_ts and m.first_token_ts:
+                    queued.append(m.scheduled_ts - m.queued_ts)
+                    prefill.append(m.first_token_ts - m.scheduled_ts)
                 cached += o.num_cached_tokens or 0
+                prompt_tokens += len(o.prompt_token_ids or [])
                 tokens += len(o.prompt_token_ids or []) + len(o.outputs[0].token_ids)
             print(json.dumps({"progress": len(prompts)}), flush=True)
         wall = time.perf_counter() - t0
@@ -159,9 +193,13 @@ def _run_reuses(
         results[str(reuse)] = {
             "ttft_p50_ms": 1e3 * statistics.median(ttfts),
             "ttft_p99_ms": 1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+            "queued_p50_ms": 1e3 * statistics.median(queued) if queued else float("nan"),
+            "prefill_p50_ms": 1e3 * statistics.median(prefill) if prefill else float("nan"),
             "throughput_tok_s": tokens / wall,
             "cached_tokens": cached,
+            "prompt_tokens": prompt_tokens,
             "requests": len(ttfts),
+            "load_avg_1m": 0.5 * (load + os.getloadavg()[0]),
         }
     return results
 
@@ -174,14 +212,27 @@ def run_bench(
     users: int,
     rounds: int,
     seed: int = 0,
+    threads: int | None = None,
+    configs: tuple[str, ...] = CONFIGS,
+    repeats: int = 1,
     progress: bool = True,
 ) -> dict[str, Any]:
+    """``repeats`` times, every configuration in ``configs`` (``none`` first),
+    then in reverse order; each configuration's figures are the mean over its
+    runs, each ratio to ``none`` the mean of per-pass ratios (``none``'s run
+    in the same pass)."""
     from tqdm import tqdm
 
-    orders = [list(CONFIGS), list(reversed(CONFIGS))]  # both orders: machine drift cancels
-    total = len(orders) * len(CONFIGS) * len(reuses) * users * rounds
+    if configs[0] != "none" or not set(configs) <= set(CONFIGS):
+        raise ValueError(f"configs {configs}: 'none' first, then some of {CONFIGS[1:]}")
+    orders = [list(configs), list(reversed(configs))] * repeats  # machine drift cancels
+    total = len(orders) * len(configs) * len(reuses) * users * rounds
     bar = tqdm(total=total, desc="bench serve", unit="req", disable=not progress)
-    runs: dict[str, list[Any]] = {c: [] for c in CONFIGS}
+    runs: dict[str, list[Any]] = {c: [] for c in configs}
+    env = dict(os.environ)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    block_sizes = set()
     with tempfile.TemporaryDirectory() as tmp:
         for n, config in ((n, c) for n, order in enumerate(orders) for c in order):
             path = Path(tmp) / f"{config}-{n}.json"
@@ -208,6 +259,7 @@ def run_bench(
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
+                env=env,
             )
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -216,30 +268,43 @@ def run_bench(
             _, err = proc.communicate()
             if proc.returncode:
                 raise RuntimeError(f"{config} run failed: {err[-3000:]}")
-            runs[config].append(json.loads(path.read_text()))
+            run = json.loads(path.read_text())
+            block_sizes.add(run["block_size"])
+            runs[config].append(run["results"])
     bar.close()
     per_config = {
         c: {
             x: {k: statistics.fmean(run[x][k] for run in runs[c]) for k in runs[c][0][x]}
             for x in runs[c][0]
         }
-        for c in CONFIGS
+        for c in configs
     }
+    ratios: dict[str, dict[str, dict[str, Any]]] = {}
+    for c in configs[1:]:
+        ratios[c] = {}
+        for x in map(str, reuses):
+            row: dict[str, Any] = {}
+            for key, fig in (("ttft_p50", "ttft_p50_ms"), ("throughput", "throughput_tok_s")):
+                per_pass = [run[x][fig] / none[x][fig] for run, none in zip(runs[c], runs["none"])]
+                row[key] = statistics.fmean(per_pass)
+                row[f"{key}_per_pass"] = per_pass
+            ratios[c][x] = row
     zero = str(reuses[0])
     result = {
         "workload": {
             "users": users,
             "rounds": rounds,
             "reuse_rates": reuses,
-            "kv_budget_tokens": 160 * 32,
+            "block_size": sorted(block_sizes),
+            "kv_budget_tokens": KV_BUDGET_TOKENS,
             "host_tier_bytes": HOST_BYTES,
+            "threads": threads,
+            "passes": len(orders),
+            "cpus": len(os.sched_getaffinity(0)),
         },
         "results": per_config,
-        "cost_at_zero_reuse": {
-            c: per_config[c][zero]["throughput_tok_s"]
-            / per_config["none"][zero]["throughput_tok_s"]
-            for c in ("kvsdk", "native")
-        }
+        "over_none": ratios,
+        "cost_at_zero_reuse": {c: ratios[c][zero]["throughput"] for c in configs[1:]}
         if reuses[0] == 0
         else None,
     }
@@ -286,21 +351,39 @@ def _plot(r: dict[str, Any], path: Path) -> None:
 
 
 def format_report(r: dict[str, Any]) -> str:
-    lines = [f"{'reuse':>6}  " + "  ".join(f"{c + ' p50/p99 ms':>20}{'tok/s':>8}" for c in CONFIGS)]
+    configs = list(r["results"])
+    lines = [f"{'reuse':>6}  " + "  ".join(f"{c + ' p50/p99 ms':>20}{'tok/s':>8}" for c in configs)]
     for x in r["workload"]["reuse_rates"]:
         cells = []
-        for c in CONFIGS:
+        for c in configs:
             res = r["results"][c][str(x)]
             cells.append(
                 f"{res['ttft_p50_ms']:>9.0f} /{res['ttft_p99_ms']:>9.0f}"
                 f"{res['throughput_tok_s']:>8.0f}"
             )
         lines.append(f"{100 * x:>5.0f}%  " + "  ".join(cells))
+    lines.append("vs no connector (mean of per-pass ratios): p50 TTFT, throughput, cached/prompt")
+    for x in r["workload"]["reuse_rates"]:
+        cells = []
+        for c in configs:
+            res = r["results"][c][str(x)]
+            share = res["cached_tokens"] / max(1, res["prompt_tokens"])
+            if c == "none":
+                cells.append(f"none cached {share:.2f}")
+                continue
+            q = r["over_none"][c][str(x)]
+            cells.append(f"{c} {q['ttft_p50']:.3f}x / {q['throughput']:.3f}x cached {share:.2f}")
+        lines.append(f"{100 * x:>5.0f}%  " + "   ".join(cells))
+    w = r["workload"]
+    lines.append(
+        f"block size {w['block_size']}, threads {w['threads'] or 'default'} on {w['cpus']} "
+        f"CPUs, {w['passes']} passes"
+    )
     cost = r.get("cost_at_zero_reuse")
     if cost:
         lines.append(
-            f"throughput at 0% reuse vs no connector: kvsdk {cost['kvsdk']:.3f}x, "
-            f"native {cost['native']:.3f}x"
+            "throughput at 0% reuse vs no connector: "
+            + ", ".join(f"{c} {v:.3f}x" for c, v in cost.items())
         )
     return "\n".join(lines)
 

@@ -9,9 +9,12 @@ stayed within its capacity, and every finished request's greedy tokens and
 their logprobs (within ``LOGPROB_TOL``) equal a reference run of the same
 prompts without kvsdk (a separate engine, in a subprocess).
 
-vLLM runs with its default executor: kvsdk's scheduler side lives in the
-EngineCore process. Its counters (tokens served, backend errors, failed jobs)
-and vLLM's preemption count reach this process through vLLM's stats path
+vLLM runs with its default executor and block size (128 tokens on vLLM-CPU),
+kvsdk with its default offload unit (the block size): the shared prefixes
+(160-520 tokens) span one to four blocks, and prompt lengths fall anywhere
+within a block. kvsdk's scheduler side lives in the EngineCore process. Its
+counters (tokens served, backend errors, failed jobs) and vLLM's preemption
+count reach this process through vLLM's stats path
 (Prometheus); the end state the leak checks read (tracked requests, ledger
 jobs and fences, pinned host entries, host slots, faults injected) is read
 in the EngineCore, between steps, by ``kvsdk.plugins.vllm.workloads.stats_probe``
@@ -32,10 +35,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvsdk.plugins.vllm.workloads import use_cpu_engine_defaults
+from kvsdk.plugins.vllm.workloads import engine_block_size, use_cpu_engine_defaults
 
 HOST_CAPACITY = 4 << 20  # small on purpose: evictions and promotions from the faulty tier
 DISK_CAPACITY = 16 << 20  # small as well: the disk tier evicts, its files must stay within it
+KV_BUDGET_TOKENS = 1536  # vLLM's KV cache (whole blocks): preemptions, prefixes evicted
+MAX_MODEL_LEN = 1024
 LOGPROB_TOL = 1e-3
 """Largest difference of a sampled token's logprob from the reference's: KV loaded
 from kvsdk is the bytes the engine computed, but a prefix hit changes the batch
@@ -44,7 +49,7 @@ shapes of what is computed after it (float32 sums in another order)."""
 
 def workload(n: int, seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(3, 32000) for _ in range(rng.randint(96, 400))] for _ in range(8)]
+    prefixes = [[rng.randrange(3, 32000) for _ in range(rng.randint(160, 520))] for _ in range(8)]
     reqs = []
     for i in range(n):
         prompt = rng.choice(prefixes) + [rng.randrange(3, 32000) for _ in range(rng.randint(1, 96))]
@@ -71,17 +76,17 @@ def make_llm(model: str, kvsdk_config: dict[str, Any] | None) -> Any:
             "kv_connector_module_path": "kvsdk.plugins.vllm.workloads.stats_probe",  # + the probe
             "kv_connector_extra_config": {"config": kvsdk_config},
         }
-        # 1152 tokens of KV for 12 sequences: preemptions (how many varies from run to run:
+        # 1536 tokens of KV for 12 sequences: preemptions (how many varies from run to run:
         # the EngineCore steps on its own, and loads land when they land)
-        kw["num_gpu_blocks_override"] = 36
+        block_size = engine_block_size(model, max_model_len=MAX_MODEL_LEN)  # vLLM's default
+        kw["num_gpu_blocks_override"] = KV_BUDGET_TOKENS // block_size
         kw["disable_log_stats"] = False  # kvsdk's counters through vLLM's stats path
     return LLM(
         model=model,
         skip_tokenizer_init=True,
         enforce_eager=True,
         dtype="float32",
-        block_size=32,
-        max_model_len=1024,
+        max_model_len=MAX_MODEL_LEN,
         seed=0,
         max_num_seqs=12,
         **kw,
@@ -176,20 +181,19 @@ def _disk_bytes(path: Path) -> int:
 def run_soak(model: str, n: int, seed: int, workdir: Path, progress: Any = None) -> dict[str, Any]:
     from kvsdk.plugins.vllm.workloads import stats_probe
 
-    config = {
-        "chunk_tokens": 32,
+    config = {  # kvsdk's defaults but for the tiers (chunk_tokens unset: the block size)
         "tiers": [
             {"backend": "cpu", "capacity": HOST_CAPACITY},
-            {
+            {  # rates per chunk: 4x those set for 32-token chunks, the same per token
                 "backend": "faulty",
                 "seed": seed,
-                "error_rate": 0.02,
-                "timeout_rate": 0.01,
+                "error_rate": 0.08,
+                "timeout_rate": 0.04,
                 "timeout_ms": 20,
                 "latency_ms": 0.5,
-                "drop_write_rate": 0.05,
-                "corrupt_read_rate": 0.05,
-                "truncate_rate": 0.02,
+                "drop_write_rate": 0.2,
+                "corrupt_read_rate": 0.2,
+                "truncate_rate": 0.08,
                 "wraps": {
                     "backend": "disk",
                     "path": str(workdir / "disk"),

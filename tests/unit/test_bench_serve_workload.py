@@ -1,0 +1,47 @@
+"""``kvsdk bench serve``'s conversations: real-looking prompt lengths (not multiples
+of a block), each turn repeating the conversation so far, within the model's length."""
+
+from __future__ import annotations
+
+import itertools
+
+from kvsdk.plugins.vllm.workloads.bench_serve import MAX_PROMPT_TOKENS, conversations
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def test_prompt_lengths_fall_anywhere_within_a_block() -> None:
+    for reuse in (0.0, 0.5, 0.9):
+        lengths = [len(p) for rnd in conversations(reuse, 4, 4, seed=0) for p in rnd]
+        assert len(lengths) == 16
+        # a length is a multiple of a block by chance only (1 in 16 for 16-token blocks)
+        for block, most in ((16, 4), (32, 2), (128, 1)):
+            assert sum(n % block == 0 for n in lengths) <= most, (reuse, block, lengths)
+        assert max(lengths) <= MAX_PROMPT_TOKENS
+
+
+def test_each_turn_repeats_the_conversation_so_far() -> None:
+    rounds = conversations(0.9, 4, 4, seed=1)
+    for prev, cur in itertools.pairwise(rounds):
+        for u, (p, c) in enumerate(zip(prev, cur)):
+            assert c[: len(p)] == p, u  # the whole previous prompt, then the answer, then new
+            assert 0.8 < len(p) / len(c) < 0.95
+    fresh = conversations(0.0, 4, 2, seed=1)
+    prompts = [p for rnd in fresh for p in rnd]
+    assert all(_shared_prefix(a, b) < 4 for i, a in enumerate(prompts) for b in prompts[i + 1 :])
+
+
+def test_a_conversation_outgrowing_the_model_starts_again() -> None:
+    rounds = conversations(0.25, 2, 4, seed=2)
+    system = rounds[0][0][:600]
+    for rnd in rounds:
+        for p in rnd:
+            assert len(p) <= MAX_PROMPT_TOKENS
+            assert p[:600] == system  # every conversation starts with the system prompt
