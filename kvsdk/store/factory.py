@@ -17,14 +17,14 @@ from functools import partial
 
 from kvsdk import plugins_manager
 from kvsdk.backend import Backend, HostTier, SlabRequest, TierContext
-from kvsdk.config import ConfigError, KVSDKConfig
+from kvsdk.config import ConfigError, KVSDKConfig, TierConfig
 from kvsdk.events import EventSink, EventTracker, KVEvent
 from kvsdk.keys import Namespace
 from kvsdk.metrics import Metrics, start_prometheus_exporter
 from kvsdk.slab import SlabError
 from kvsdk.store.chain import TierChain
 from kvsdk.store.tiered import TieredStore
-from kvsdk.trust import note_trust
+from kvsdk.trust import mask_url, note_trust
 from kvsdk.types import Locality
 
 _exporters: dict[int, Metrics] = {}
@@ -65,6 +65,17 @@ def build_tiers(
         raise
     note_trust(namespace.secret, (t.name for t in tiers if t.locality is not Locality.PROCESS))
     return tiers
+
+
+def describe_tier(tier: TierConfig) -> str:
+    """Where a configured tier keeps its data, for the start-up log (never a
+    password: a URL is masked)."""
+    parts = []
+    for name in ("path", "url", "capacity"):
+        value = getattr(tier.options, name, None)
+        if value is not None:
+            parts.append(f"{name}={mask_url(str(value)) if name == 'url' else value}")
+    return ", ".join(parts) or "its defaults"
 
 
 def plugin_event_sink() -> EventSink:

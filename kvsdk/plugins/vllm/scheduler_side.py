@@ -26,7 +26,7 @@ from kvsdk.plugins.vllm.messages import (
 )
 from kvsdk.scheduler import OffloadScheduler, WorkerResult
 from kvsdk.scheduler.tail import TAIL_CHUNK
-from kvsdk.store.factory import StoreHandle
+from kvsdk.store.factory import StoreHandle, describe_tier
 from kvsdk.types import Locality
 
 if TYPE_CHECKING:
@@ -134,6 +134,8 @@ class SchedulerSide:
             self.store.host.num_slots,
             layout.slab_name,
         )
+        for i, tier in enumerate(layout.config.tiers[1:], 1):
+            log.info("kvsdk: tier %d (%s) opened: %s", i, tier.backend, describe_tier(tier))
 
     def check_workers(self, metadata: dict[tuple[int, int], Any]) -> None:
         """Start-up: every worker attached to this engine's slab, on this machine."""

@@ -131,6 +131,7 @@ def test_openai_server_serves_prefix_from_kvsdk(model: Path, tmp_path: Path) -> 
     first = _run(Server("kvsdk", model, tmp_path, str(config)), with_kvsdk)
     assert f"kvsdk config from file {config}" in first["log"]  # at vLLM's default level
     assert first["log"].count("kvsdk config from") == 1  # once per engine, not per process
+    assert first["log"].count(f"kvsdk: tier 1 (disk) opened: path={disk}") == 1
     log = first["log"]
     assert "Traceback" not in log, log[-3000:]
     # the chunk the adapter laid out is the one `kvsdk config check --model` computed
