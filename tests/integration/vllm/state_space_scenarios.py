@@ -20,6 +20,8 @@ from typing import Any
 
 from scenarios import corrupt_host_tier, generate, reset
 
+if sys.argv[1:2] == ["hybrid_tp2"]:
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank (2 cores here)
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -85,6 +87,15 @@ def main() -> None:
         res["ttft_local_ms"], res["ttft_local_cached"] = ttft_ms(llm, P, from_kvsdk=False)
         res["ttft_kvsdk_ms"], res["ttft_kvsdk_cached"] = ttft_ms(llm, P, from_kvsdk=True)
         corrupt_host_tier()  # negative control: the same load from noised states
+        reset(llm)
+        res["corrupted"] = generate(llm, P)
+    elif scenario == "hybrid_tp2":  # each rank's share of the states, in its own region
+        llm = make_llm(model, "hybrid", tensor_parallel_size=2)
+        res["cold"] = generate(llm, P)
+        res["local"] = generate(llm, P)
+        reset(llm)
+        res["kvsdk"] = generate(llm, P)
+        corrupt_host_tier()
         reset(llm)
         res["corrupted"] = generate(llm, P)
     elif scenario == "mamba2_default":

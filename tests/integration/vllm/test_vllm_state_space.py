@@ -96,6 +96,18 @@ def test_pure_mamba2_model_served_by_kvsdk_equals_vllms_own_hit(
     )
 
 
+def test_hybrid_model_at_tensor_parallel_2(hybrid_dir: str, tmp_path: Path) -> None:
+    """Each TP rank holds its share of the Mamba heads and attention KV heads;
+    a chunk carries every rank's region, so a hit is whole or a miss."""
+    r = run("hybrid_tp2", hybrid_dir, tmp_path)
+    assert "(2 rank region(s))" in r["log"]
+    assert r["cold"]["cached"] == 0
+    assert r["local"]["cached"] == r["kvsdk"]["cached"] == 512
+    assert same(r["kvsdk"], r["local"])
+    assert r["corrupted"]["cached"] == 512
+    assert not same(r["corrupted"], r["local"])
+
+
 def test_pure_mamba2_under_vllms_defaults_is_refused_at_start_in_one_sentence(
     mamba2_dir: str, tmp_path: Path
 ) -> None:
