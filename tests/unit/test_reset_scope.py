@@ -104,19 +104,24 @@ def lookup(s: OffloadScheduler, rid: str, hashes: list[bytes]) -> int:
     raise AssertionError("no answer")
 
 
+def store_prompt(s: OffloadScheduler, rid: str, hashes: list[bytes]) -> None:
+    """A request computes its 13-token prompt, stores its 3 chunks and finishes."""
+    assert lookup(s, rid, hashes) == 0
+    jobs = s.build_step(
+        computed_after_step={rid: 13}, new_block_ids={rid: [[1, 2, 3, 4]]},
+        replace_block_ids=[rid],
+    )  # fmt: skip
+    s.worker_results([WorkerResult(j.job_id) for j in jobs.stores])
+    s.request_finished(rid, 13)
+    s.build_step(computed_after_step={}, finished={rid: 13})
+
+
 def test_after_a_reset_the_instance_is_served_nothing_from_before_and_others_still_are(
     tmp_path: Path,
 ) -> None:
     a, b = scheduler_on(tmp_path), scheduler_on(tmp_path)
     hashes = chain(3)
-    assert lookup(a, "r1", hashes) == 0
-    jobs = a.build_step(
-        computed_after_step={"r1": 13}, new_block_ids={"r1": [[1, 2, 3, 4]]},
-        replace_block_ids=["r1"],
-    )  # fmt: skip
-    a.worker_results([WorkerResult(j.job_id) for j in jobs.stores])
-    a.request_finished("r1", 13)
-    a.build_step(computed_after_step={}, finished={"r1": 13})
+    store_prompt(a, "r1", hashes)
     pump(a.store)
     assert lookup(b, "r2", hashes) == 12
 
@@ -155,14 +160,7 @@ def test_a_hit_promised_before_a_reset_is_never_loaded_after_it(tmp_path: Path) 
     load from chunks that left with the reset."""
     a = scheduler_on(tmp_path)
     hashes = chain(3)
-    assert lookup(a, "r1", hashes) == 0
-    jobs = a.build_step(
-        computed_after_step={"r1": 13}, new_block_ids={"r1": [[1, 2, 3, 4]]},
-        replace_block_ids=["r1"],
-    )  # fmt: skip
-    a.worker_results([WorkerResult(j.job_id) for j in jobs.stores])
-    a.request_finished("r1", 13)
-    a.build_step(computed_after_step={}, finished={"r1": 13})
+    store_prompt(a, "r1", hashes)
     assert lookup(a, "r2", hashes) == 12
     a.reset()
     with pytest.raises(RuntimeError, match=r"promised before a reset; look it up again"):

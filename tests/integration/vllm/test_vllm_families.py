@@ -6,37 +6,20 @@ bytes do not (negative control)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import vllm  # noqa: F401  (missing: a failure, never a skip; scripts/setup.sh vllm)
+from engine_runs import run_scenario, same
 
 pytestmark = pytest.mark.integration
 
 HERE = Path(__file__).parent
 
 
-def run(scenario: str, model: str, out_dir: Path) -> dict[str, Any]:
-    out = out_dir / f"{scenario}.json"
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "family_scenarios.py"), scenario, model, str(out)],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        start_new_session=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res: dict[str, Any] = json.loads(out.read_text())
-    res["log"] = proc.stdout + proc.stderr
-    return res
-
-
-def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
+def run(scenario: str, model: str, out_dir: Path, *extra: str) -> dict[str, Any]:
+    return run_scenario(HERE / "family_scenarios.py", scenario, model, out_dir, *extra)
 
 
 def test_gemma3_sliding_window_served_by_kvsdk_equals_vllms_own_hit(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ logprobs bitwise equal to vLLM's own prefix hit, and noised states do not."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 import vllm  # noqa: F401  (missing: a failure, never a skip; scripts/setup.sh vllm)
+from engine_runs import run_scenario, same
 
 pytestmark = pytest.mark.integration
 
@@ -37,22 +37,7 @@ def mamba2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def run(scenario: str, model: str, out_dir: Path, *extra: str) -> dict[str, Any]:
-    out = out_dir / f"{scenario}.json"
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "state_space_scenarios.py"), scenario, model, str(out), *extra],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        start_new_session=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res: dict[str, Any] = json.loads(out.read_text())
-    res["log"] = proc.stdout + proc.stderr
-    return res
-
-
-def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
+    return run_scenario(HERE / "state_space_scenarios.py", scenario, model, out_dir, *extra)
 
 
 def check_served_like_vllms_own_hit(r: dict[str, Any], hit: int, q_hit: int) -> None:

@@ -18,7 +18,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvsdk.plugins.vllm.workloads.tiny_model import MARKER_FILE, _save_random
+from kvsdk.plugins.vllm.workloads.tiny_model import (
+    MARKER_FILE,
+    _save_random,
+    gemma_embeddings,
+    gemma_fill,
+)
 
 __all__ = ["MAMBA_BLOCK_TOKENS", "make_tiny_gemma3", "make_tiny_granite_hybrid", "make_tiny_mamba2"]
 
@@ -121,7 +126,6 @@ def make_tiny_gemma3(
     }
     if _built(out, spec):
         return out
-    import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     config = Gemma3TextConfig(
@@ -142,15 +146,4 @@ def make_tiny_gemma3(
         dtype="float32",
     )
 
-    def fill(name: str, p: Any, gen: Any) -> None:
-        if "norm" in name:
-            p.zero_()  # Gemma's norms scale by (1 + weight)
-        else:
-            p.copy_(torch.empty(p.shape).normal_(0.0, 0.3, generator=gen))
-
-    def scale_embeddings(model: Any) -> None:
-        # tied output: small equal-norm embeddings keep greedy tokens varied
-        emb = model.model.embed_tokens.weight
-        emb.copy_(emb / emb.norm(dim=1, keepdim=True) * 0.02)
-
-    return _save_random(Gemma3ForCausalLM, config, out, spec, fill, scale_embeddings)
+    return _save_random(Gemma3ForCausalLM, config, out, spec, gemma_fill, gemma_embeddings)

@@ -208,7 +208,6 @@ def make_tiny_hybrid(
     }
     if (out / MARKER_FILE).is_file() and json.loads((out / MARKER_FILE).read_text()) == spec:
         return out
-    import torch
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     config = Gemma2Config(
@@ -226,17 +225,24 @@ def make_tiny_hybrid(
         dtype="float32",
     )
 
-    def fill(name: str, p: torch.Tensor, gen: torch.Generator) -> None:
-        if "norm" in name:
-            p.zero_()  # Gemma's norms scale by (1 + weight)
-        else:
-            p.copy_(torch.empty(p.shape).normal_(0.0, 0.3, generator=gen))
+    return _save_random(Gemma2ForCausalLM, config, out, spec, gemma_fill, gemma_embeddings)
 
-    def scale_embeddings(model: Any) -> None:
-        emb = model.model.embed_tokens.weight
-        emb.copy_(emb / emb.norm(dim=1, keepdim=True) * 0.02)
 
-    return _save_random(Gemma2ForCausalLM, config, out, spec, fill, scale_embeddings)
+def gemma_fill(name: str, p: Any, gen: Any) -> None:
+    """Gemma's weights: norms zero (they scale by 1 + weight), the rest N(0, 0.3)."""
+    import torch
+
+    if "norm" in name:
+        p.zero_()
+    else:
+        p.copy_(torch.empty(p.shape).normal_(0.0, 0.3, generator=gen))
+
+
+def gemma_embeddings(model: Any) -> None:
+    """Small equal-norm embeddings: Gemma ties its output to them, and these keep
+    the greedy tokens varied."""
+    emb = model.model.embed_tokens.weight
+    emb.copy_(emb / emb.norm(dim=1, keepdim=True) * 0.02)
 
 
 def make_tiny_mla(path: str | os.PathLike[str], *, seed: int = 0) -> Path:
