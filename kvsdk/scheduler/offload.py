@@ -219,6 +219,10 @@ class OffloadScheduler:
             due = min(due, r.tail.end)
         self.store_due[r.req_id] = due
 
+    def is_loading(self, req_id: ReqId) -> bool:
+        """Whether a load into ``req_id``'s blocks has not been reported done."""
+        return req_id in self._loading_requests
+
     def has_request(self, req_id: ReqId) -> bool:
         """Whether ``req_id`` names a live request (one the engine has not
         finished): a finished one's id names a new request when added again."""

@@ -2,10 +2,12 @@
 
 Scheduler side: vLLM's requests, blocks and step outputs → kvsdk's
 :class:`~kvsdk.scheduler.OffloadScheduler`. Worker side: vLLM's paged KV
-tensors ↔ the host tier's slab through a kvsdk transfer worker. Loads are
-asynchronous (the request waits in ``WAITING_FOR_REMOTE_KVS`` until its load
-lands); stores are submitted after the forward pass; blocks about to be
-reused are flushed first (``handle_preemptions``).
+tensors ↔ the host tier's slab through a kvsdk transfer worker. On vLLM-CPU
+loads are synchronous (done before the forward pass of the step that schedules
+the request, see :func:`~kvsdk.plugins.vllm.scheduler_side.loads_in_step`);
+elsewhere asynchronous (the request waits in ``WAITING_FOR_REMOTE_KVS`` until
+its load lands). Stores are submitted after the forward pass; blocks about to
+be reused are flushed first (``handle_preemptions``).
 """
 
 from __future__ import annotations

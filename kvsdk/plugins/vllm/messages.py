@@ -36,6 +36,9 @@ class KVSDKConnectorMetadata(KVConnectorMetadata):
     store_requests: list[str] = field(default_factory=list)
     """The request of each store job."""
     flush: frozenset[int] = frozenset()
+    sync_loads: bool = False
+    """The loads are done before this step's forward pass: vLLM scheduled their
+    requests in this step (they are never reported in ``finished_recving``)."""
     release: frozenset[str] = frozenset()
     """Finished requests whose blocks vLLM holds for kvsdk (``request_finished``
     returned True) and whose last stores are in this step: each worker reports

@@ -68,6 +68,18 @@ def _computed_at_finish(req: Request) -> int:
     return max(req.num_prompt_tokens, req.num_tokens - 1)  # the last sampled token has none
 
 
+def loads_in_step(vllm_config: Any) -> bool:
+    """Whether kvsdk's loads run before the forward pass of the step that
+    schedules their request (vLLM's synchronous loads), not in a step of their
+    own. On vLLM-CPU a load is a memcpy on the cores that run the model: an
+    asynchronous one gains no overlap, and its request would wait a whole
+    engine step in ``WAITING_FOR_REMOTE_KVS`` (the forward pass of every other
+    request in that step: up to a doubled TTFT)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 def recompute_failed_loads(vllm_config: Any) -> None:
     """A cache that fails to load is a miss: vLLM must recompute, not fail the
     request. vLLM reads this policy right after building the connector."""
@@ -91,6 +103,7 @@ class SchedulerSide:
             slab=SlabRequest(layout.slab_name, layout.ranks.num_regions),
         )
         self.world_size = max(1, vllm_config.parallel_config.world_size)
+        self.sync_loads = loads_in_step(vllm_config)
         kv_events = getattr(vllm_config, "kv_events_config", None)
         if not (kv_events and kv_events.enable_kv_cache_events) and not _has_event_sinks():
             self.store.events.enabled = False  # nobody would read them: skip the bookkeeping
@@ -180,7 +193,11 @@ class SchedulerSide:
         if getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
         hit = self.core.lookup(rid, num_computed_tokens, num_tokens=request.num_tokens)
-        return hit, bool(hit)
+        if hit and self.sync_loads:
+            # vLLM computes a token in the step that loads: the last one's KV is
+            # recomputed (as after an asynchronous load of the whole prompt)
+            hit = min(hit, request.num_tokens - 1 - num_computed_tokens)
+        return hit, bool(hit) and not self.sync_loads
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -243,6 +260,7 @@ class SchedulerSide:
             stores=list(jobs.stores),
             store_requests=[job_request(j.job_id) for j in jobs.stores],
             flush=jobs.flush,
+            sync_loads=self.sync_loads,
             release=release,
         )
 
@@ -274,7 +292,10 @@ class SchedulerSide:
             del self.requests[rid]  # the id may name a new request before the next step
         tokens = self._finished_tokens[rid] = _computed_at_finish(request)
         self.core.hashes_grew(rid, request.block_hashes)
-        if not self.core.request_finished(rid, tokens):
+        # finished in the step that loaded it (a synchronous load, reported done
+        # after this call): its stores come next step, from blocks held until then
+        loading = self.sync_loads and self.core.is_loading(rid)
+        if not self.core.request_finished(rid, tokens) and not loading:
             return False
         self._held.add(rid)
         return True

