@@ -27,7 +27,7 @@ from kvsdk.plugins.vllm.messages import (
 from kvsdk.scheduler import OffloadScheduler, WorkerResult
 from kvsdk.scheduler.tail import TAIL_CHUNK
 from kvsdk.store.factory import StoreHandle, describe_tier
-from kvsdk.types import Locality
+from kvsdk.types import GroupKind, KVGroupSpec, Locality
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -68,15 +68,22 @@ def _computed_at_finish(req: Request) -> int:
     return max(req.num_prompt_tokens, req.num_tokens - 1)  # the last sampled token has none
 
 
-def loads_in_step(vllm_config: Any) -> bool:
+def loads_in_step(vllm_config: Any, groups: Sequence[KVGroupSpec]) -> bool:
     """Whether kvsdk's loads run before the forward pass of the step that
     schedules their request (vLLM's synchronous loads), not in a step of their
     own. On vLLM-CPU a load is a memcpy on the cores that run the model: an
     asynchronous one gains no overlap, and its request would wait a whole
     engine step in ``WAITING_FOR_REMOTE_KVS`` (the forward pass of every other
-    request in that step: up to a doubled TTFT)."""
+    request in that step: up to a doubled TTFT).
+
+    Not with Mamba groups: in the step that schedules a request vLLM's 'align'
+    mode copies its last state into the running block before that step's loads
+    land, so a state loaded in the same step would be read as garbage (the
+    hybrid and Mamba2 tests give other tokens than vLLM's own hit)."""
     from vllm.platforms import current_platform
 
+    if any(g.kind is GroupKind.MAMBA for g in groups):
+        return False
     return bool(current_platform.is_cpu())
 
 
@@ -103,7 +110,7 @@ class SchedulerSide:
             slab=SlabRequest(layout.slab_name, layout.ranks.num_regions),
         )
         self.world_size = max(1, vllm_config.parallel_config.world_size)
-        self.sync_loads = loads_in_step(vllm_config)
+        self.sync_loads = loads_in_step(vllm_config, layout.groups)
         kv_events = getattr(vllm_config, "kv_events_config", None)
         if not (kv_events and kv_events.enable_kv_cache_events) and not _has_event_sinks():
             self.store.events.enabled = False  # nobody would read them: skip the bookkeeping
