@@ -39,7 +39,7 @@ from kvsdk.plugins.vllm.workloads import engine_block_size, use_cpu_engine_defau
 
 HOST_CAPACITY = 4 << 20  # small on purpose: evictions and promotions from the faulty tier
 DISK_CAPACITY = 16 << 20  # small as well: the disk tier evicts, its files must stay within it
-KV_BUDGET_TOKENS = 1536  # vLLM's KV cache (whole blocks): preemptions, prefixes evicted
+KV_BUDGET_TOKENS = 1280  # vLLM's KV cache (whole blocks): preemptions, prefixes evicted
 MAX_MODEL_LEN = 1024
 LOGPROB_TOL = 1e-3
 """Largest difference of a sampled token's logprob from the reference's: KV loaded
@@ -57,7 +57,8 @@ def workload(n: int, seed: int) -> list[dict[str, Any]]:
             {
                 "id": f"r{i}",
                 "prompt": prompt,
-                "max_tokens": rng.randint(1, 12),
+                # a fifth decode past a 128-token block boundary or two: preemptions
+                "max_tokens": rng.randint(24, 64) if rng.random() < 0.2 else rng.randint(1, 12),
                 "abort_after_steps": rng.randint(1, 4) if rng.random() < 0.05 else None,
             }
         )
@@ -76,7 +77,7 @@ def make_llm(model: str, kvsdk_config: dict[str, Any] | None) -> Any:
             "kv_connector_module_path": "kvsdk.plugins.vllm.workloads.stats_probe",  # + the probe
             "kv_connector_extra_config": {"config": kvsdk_config},
         }
-        # 1536 tokens of KV for 12 sequences: preemptions (how many varies from run to run:
+        # 1280 tokens of KV for 12 sequences: preemptions (how many varies from run to run:
         # the EngineCore steps on its own, and loads land when they land)
         block_size = engine_block_size(model, max_model_len=MAX_MODEL_LEN)  # vLLM's default
         kw["num_gpu_blocks_override"] = KV_BUDGET_TOKENS // block_size
