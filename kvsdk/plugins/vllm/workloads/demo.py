@@ -127,19 +127,13 @@ def run_demo(
         num_kv_heads=4,
         max_position_embeddings=8192,
     )
-    ktc = {
-        "kv_connector": "KVSDKConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "config": {"chunk_tokens": 32, "tiers": [{"backend": "cpu", "capacity": "2GiB"}]}
-        },
-    }
+    # vLLM's defaults (executor, block size, compilation) and kvsdk's (no config:
+    # its 4 GiB host-RAM tier, chunks of the engine's block size)
+    ktc = {"kv_connector": "KVSDKConnector", "kv_role": "kv_both"}
     llm = LLM(
         model=str(model),
         skip_tokenizer_init=True,
-        enforce_eager=True,
         dtype="float32",
-        block_size=32,
         max_model_len=8192,
         seed=0,
         kv_transfer_config=ktc,
