@@ -69,7 +69,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -443,51 +443,53 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
         """Read each transfer's pages (Mamba states) into its host slots."""
-        out: dict[str, list[bool]] = {}
-        for t in transfers:
-            keys, slots, mamba = self._side_io(t)
-            if mamba is None or slots is None:
-                out[str(t.name)] = [False] * len(keys)
-                continue
-            try:
-                pool = mamba.host_pool
-                targets = [pool.get_dummy_flat_data_page() for _ in keys]
-                views = [tensor_bytes(x) for x in targets]
-                addrs = np.asarray([[address(v)] for v in views], dtype=np.int64)
-                assert self.pool is not None
-                where = self.pool.read(
-                    mamba.chain, mamba.keys(keys), HostPages(addrs, (mamba.nbytes,), None)
-                )
-                ok = [w > 0 for w in where]
-                for slot, page, hit in zip(slots, targets, ok):
-                    if hit:
-                        pool.set_from_flat_data_page(slot, page)
-            except Exception as exc:
-                self._failure("get", exc)
-                ok = [False] * len(keys)
-            out[str(t.name)] = ok
-        return out
+        return self._each_side_transfer(transfers, "get", self._read_states)
 
     def batch_set_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
         """Store each transfer's pages (Mamba states) from its host slots. Every
         rank writes its own (Mamba states are TP-sharded, even beside MLA)."""
+        return self._each_side_transfer(transfers, "put", self._write_states)
+
+    def _each_side_transfer(
+        self,
+        transfers: list[PoolTransfer],
+        op: str,
+        move: Callable[[_MambaPool, list[str], list[int]], list[bool]],
+    ) -> dict[str, list[bool]]:
+        """``move`` per transfer kvsdk serves; any other pool, or a failure, is a miss."""
         out: dict[str, list[bool]] = {}
         for t in transfers:
             keys, slots, mamba = self._side_io(t)
-            if mamba is None or slots is None:
-                out[str(t.name)] = [False] * len(keys)
-                continue
-            try:
-                pool = mamba.host_pool
-                pages = [pool.get_data_page(slot, flat=True).contiguous() for slot in slots]
-                ok = mamba.chain.write_through(mamba.keys(keys), [tensor_bytes(p) for p in pages])
-            except Exception as exc:
-                self._failure("put", exc)
-                ok = [False] * len(keys)
+            ok = [False] * len(keys)
+            if mamba is not None and slots is not None:
+                try:
+                    ok = move(mamba, keys, slots)
+                except Exception as exc:
+                    self._failure(op, exc)
             out[str(t.name)] = ok
         return out
+
+    def _read_states(self, mamba: _MambaPool, keys: list[str], slots: list[int]) -> list[bool]:
+        pool = mamba.host_pool
+        targets = [pool.get_dummy_flat_data_page() for _ in keys]
+        views = [tensor_bytes(x) for x in targets]
+        addrs = np.asarray([[address(v)] for v in views], dtype=np.int64)
+        assert self.pool is not None
+        where = self.pool.read(
+            mamba.chain, mamba.keys(keys), HostPages(addrs, (mamba.nbytes,), None)
+        )
+        ok = [w > 0 for w in where]
+        for slot, page, hit in zip(slots, targets, ok):
+            if hit:
+                pool.set_from_flat_data_page(slot, page)
+        return ok
+
+    def _write_states(self, mamba: _MambaPool, keys: list[str], slots: list[int]) -> list[bool]:
+        pool = mamba.host_pool
+        pages = [pool.get_data_page(slot, flat=True).contiguous() for slot in slots]
+        return mamba.chain.write_through(mamba.keys(keys), [tensor_bytes(p) for p in pages])
 
     def _side(self, t: PoolTransfer) -> _MambaPool | None:
         if str(t.name) == PoolName.MAMBA.value and self.ready:
