@@ -122,11 +122,12 @@ class KVSDKConfig:
     the engine's own prefix cache. A larger unit means fewer, larger entries on
     disk and in Redis, at the cost of up to ``chunk_tokens - 1`` prompt tokens
     recomputed that the engine's block size would have served."""
-    prompt_tail: bool = False
+    prompt_tail: bool = True
     """Store a prompt's last, partial chunk as an entry of its own, so a repeated
     prompt is served to its end and the engine recomputes one token instead of
     up to a block (full-attention models; prompts named by token ids alone).
-    Outputs then equal the engine's own one-token recompute, not a longer one's."""
+    Outputs then equal the engine's own one-token recompute, not a longer one's.
+    ``false``: a hit stops at the last whole chunk, as the engine's own cache."""
     eviction: str = "lru"
     """Eviction policy of the tiers that evict locally: ``lru``, ``arc`` or a plugin's."""
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)

@@ -41,7 +41,15 @@ ENGINE_TIMEOUT_S = 400
 
 
 def kvsdk_config(*lower: dict[str, Any], host: str = "64MiB") -> dict[str, Any]:
-    return {"chunk_tokens": 32, "tiers": [{"backend": "cpu", "capacity": host}, *lower]}
+    """32-token chunks and no prompt tail: these tests compare kvsdk's whole
+    chunks, through every tier and process layout, with vLLM's own prefix cache
+    (which stops at the last whole block); the tail, kvsdk's default, is tested
+    under the defaults in test_vllm_connector.py and test_openai_server.py."""
+    return {
+        "chunk_tokens": 32,
+        "prompt_tail": False,
+        "tiers": [{"backend": "cpu", "capacity": host}, *lower],
+    }
 
 
 def disk_tier(path: Path) -> dict[str, Any]:

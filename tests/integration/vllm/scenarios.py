@@ -23,6 +23,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 KVSDK_CONFIG: dict[str, Any] = {
     "chunk_tokens": 32,
+    "prompt_tail": False,  # compared with vLLM's own hit, which stops at a whole block
     "tiers": [{"backend": "cpu", "capacity": "64MiB"}],
 }
 
@@ -30,12 +31,13 @@ rng = random.Random(1)
 P = [rng.randrange(3, 32000) for _ in range(200)]
 Q = P[:100] + [rng.randrange(3, 32000) for _ in range(60)]
 D = [rng.randrange(3, 32000) for _ in range(700)]
-"""For the defaults: vLLM-CPU's 128-token blocks stop at token 640 of it, and so
-does kvsdk's default chunk (the engine's block size; a 256-token chunk would
-stop at 512)."""
+"""For the defaults without the tail: vLLM-CPU's 128-token blocks stop at token
+640 of it, and so does kvsdk's default chunk (the engine's block size; a
+256-token chunk would stop at 512)."""
 T = [rng.randrange(3, 32000) for _ in range(673)]
-"""For the prompt tail: five whole 128-token blocks and a 33-token tail; 672 is a
-multiple of 32, so an engine with 32-token blocks recomputes exactly its last token."""
+"""For the defaults (the prompt tail on): five whole 128-token blocks and a
+33-token tail; 672 is a multiple of 32, so an engine with 32-token blocks
+recomputes exactly its last token."""
 
 
 def make_llm(
@@ -178,8 +180,8 @@ def main() -> None:
         reset(llm, reset_connector=True)
         res["after_full_reset"] = generate(llm, P)
         res["q_local"] = generate(llm, Q)
-    elif scenario == "defaults":
-        # vLLM's defaults (block size, executor) and kvsdk's (no config at all)
+    elif scenario == "no_tail":
+        # vLLM's defaults (block size, executor) and kvsdk's but prompt_tail off
         from vllm import LLM
 
         llm = LLM(
@@ -187,7 +189,11 @@ def main() -> None:
             skip_tokenizer_init=True,
             enforce_eager=True,
             seed=0,
-            kv_transfer_config={"kv_connector": "KVSDKConnector", "kv_role": "kv_both"},
+            kv_transfer_config={
+                "kv_connector": "KVSDKConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"config": {"prompt_tail": False}},
+            },
         )
         res["cold"] = generate(llm, D)
         res["local"] = generate(llm, D)
@@ -196,8 +202,9 @@ def main() -> None:
         reset(llm)
         corrupt_host_tier()
         res["corrupt"] = generate(llm, D)
-    elif scenario == "tail":
-        # vLLM's defaults; kvsdk's but for prompt_tail
+    elif scenario == "defaults":
+        # vLLM's defaults (block size, executor) and kvsdk's (no config at all:
+        # the prompt tail is on)
         from vllm import LLM
 
         llm = LLM(
@@ -206,11 +213,7 @@ def main() -> None:
             enforce_eager=True,
             dtype="float32",
             seed=0,
-            kv_transfer_config={
-                "kv_connector": "KVSDKConnector",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {"config": {"prompt_tail": True}},
-            },
+            kv_transfer_config={"kv_connector": "KVSDKConnector", "kv_role": "kv_both"},
         )
         res["cold"] = generate(llm, T)
         res["local"] = generate(llm, T)  # vLLM's own: whole blocks only

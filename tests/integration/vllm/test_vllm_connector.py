@@ -70,10 +70,12 @@ def test_kvsdk_hit_matches_vllms_own_prefix_hit_bitwise(model_dir: str, tmp_path
     assert same(r["after_full_reset"], r["cold"])
 
 
-def test_vllm_and_kvsdk_defaults_load_bitwise_equal_kv(model_dir: str, tmp_path: Path) -> None:
-    """No kvsdk config, vLLM's default block size and executor (the tests above
-    set 32-token blocks and chunks to keep prompts short)."""
-    r = run("defaults", model_dir, tmp_path)
+def test_without_the_tail_kvsdk_serves_every_whole_block_as_vllms_own_cache(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """vLLM's defaults (block size, executor), kvsdk's but ``prompt_tail: false``
+    (the tests above set 32-token blocks and chunks to keep prompts short)."""
+    r = run("no_tail", model_dir, tmp_path)
     assert r["cold"]["cached"] == 0
     assert r["local"]["cached"] == 640
     assert r["kvsdk"]["cached"] == 640  # every whole block, as vLLM's own cache
@@ -82,17 +84,18 @@ def test_vllm_and_kvsdk_defaults_load_bitwise_equal_kv(model_dir: str, tmp_path:
     assert "KV groups full_attention, chunk 128 tokens" in r["log"]
 
 
-def test_the_prompt_tail_serves_a_repeated_prompt_to_its_last_token(
+def test_at_both_defaults_a_repeated_prompt_is_served_to_its_last_token(
     model_dir: str, tmp_path: Path
 ) -> None:
-    """vLLM's defaults, kvsdk's with ``prompt_tail``: a 673-token prompt (five
-    128-token blocks and 33 tokens) comes back from kvsdk to its last token,
-    where vLLM's own cache stops at 640 (on vLLM-CPU kvsdk loads in the step
-    that computes the last token: 672 cached). Its outputs equal vLLM's own
-    prefix hit that also recomputes one token (an engine with 32-token blocks:
-    672 cached), bitwise."""
-    r = run("tail", model_dir, tmp_path)
+    """vLLM's defaults and kvsdk's (no config: the prompt tail is on): a
+    673-token prompt (five 128-token blocks and 33 tokens) comes back from
+    kvsdk to its last token, where vLLM's own cache stops at 640 (on vLLM-CPU
+    kvsdk loads in the step that computes the last token: 672 cached). Its
+    outputs equal vLLM's own prefix hit that also recomputes one token (an
+    engine with 32-token blocks: 672 cached), bitwise."""
+    r = run("defaults", model_dir, tmp_path)
     ref = run("tail_reference", model_dir, tmp_path)
+    assert r["cold"]["cached"] == 0
     # vLLM's own cache serves the 640 tokens of whole blocks, kvsdk's tail the rest
     assert r["local"]["cached"] == 672
     assert r["kvsdk"]["cached"] == 672  # after a reset: all from kvsdk but the last token
@@ -107,6 +110,7 @@ def test_the_prompt_tail_serves_a_repeated_prompt_to_its_last_token(
     # negative control: the comparison catches bad KV
     assert r["corrupt"]["cached"] == 672
     assert not same(r["corrupt"], ref["local"])
+    assert "KV groups full_attention, chunk 128 tokens" in r["log"]
 
 
 def test_an_mla_model_on_vllm_cpu_is_refused_at_start_with_one_sentence(
