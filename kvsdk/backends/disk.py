@@ -28,12 +28,18 @@ Contract with the tiered store (bytes in, bytes out; framing is ours):
   ``None``. A frame that fails verification is a miss: counted, and the file
   deleted. ``get_into(keys, slots)`` does the same into caller buffers (no
   allocation): the fast way to promote into a host tier.
-- Every read has a deadline (``read_timeout``): it runs on the tier's own
-  ``read_workers`` threads (:mod:`kvsdk.backends.disk_reader`) and the caller
-  waits at most that long; a late read is a miss and an error, and a read
-  into a caller's buffer is verified in the reader thread's own buffer and
-  copied over only while the caller still waits (one memory copy; a late read
-  never writes into a slot that may hold another chunk by then).
+- Every system call has a deadline (``read_timeout``): reads, ``exists`` and
+  the start-up check and scan run on the tier's own ``read_workers`` reader
+  threads, writes (framing included), deletes and ``clear`` on as many writer
+  threads (:mod:`kvsdk.backends.disk_reader`), and the caller waits at most
+  that long: a late read or look is a miss and an error, a late write a
+  dropped write (its writer thread removes the temp file when the OS returns),
+  a start-up without an answer an empty or partial index (the directory check
+  is then made before the first operation). A read into a caller's buffer is
+  verified in the reader thread's own buffer and copied over only while the
+  caller still waits (one memory copy; a late read never writes into a slot
+  that may hold another chunk by then). ``inventory`` (``kvsdk inspect``)
+  walks each namespace on a thread of its own within ``read_timeout`` too.
 - Scatter/gather: ``put_parts`` writes a payload given as a list of buffers
   (a page lying in several regions of host memory) with one ``writev``, and
   ``get_into_parts`` reads one into a list of buffers with ``readv``; the
@@ -53,8 +59,13 @@ entries this instance knows of (its scan, its writes, the other processes'
 entries it has seen).
 
 Thread-safe: the tiered store calls it from several I/O threads. Index and
-policy updates happen under one lock; file I/O happens outside it (optionally
-spread over ``io_threads`` per batch; off by default, as it measured slower).
+policy updates happen under one lock, never held over a system call; changes
+to a final path (publish, unlink) with their index update under a second one,
+taken only on the tier's own threads; a look at the file system (``exists``, a
+read) applies what it saw to the index only if no such change ran meanwhile.
+A caller's thread makes no system call and waits on nothing the file system
+can hold beyond the deadline (batches optionally spread over ``io_threads``;
+off by default, as it measured slower).
 """
 
 from __future__ import annotations
@@ -83,7 +94,6 @@ from kvsdk.backends.disk_files import (
     flat_parts,
     read_whole,
     readv_all,
-    same_file,
     scatter_into,
     write_all,
 )
@@ -112,6 +122,13 @@ _TMP_PREFIX = ".tmp."
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 STALE_TMP_SECONDS = 3600.0
 """Temp files older than this are left-overs of a crashed writer; removed at start."""
+LOOK_STEP = 256
+"""``exists`` looks at this many files per hand-off to a reader thread, each step
+within ``read_timeout`` (after a step past it, the rest of the call is a miss)."""
+WRITE_STEP = 16
+"""Writes per hand-off to a writer thread, each step within ``read_timeout`` (a
+long healthy batch is never dropped for its length; after a step past its
+deadline the rest of the batch is dropped at once)."""
 MTIME_REFRESH_SECONDS = 60.0
 """A hit refreshes a file's ``mtime`` (LRU order across restarts) when it is older."""
 _ERRNO_STAT = {errno.ENOSPC: "enospc", errno.EACCES: "eacces", errno.EPERM: "eacces",
@@ -188,7 +205,16 @@ class DiskBackend(Backend):
         self._max_frame = HEADER_SIZE + context.chunk_bytes if context.chunk_bytes > 0 else None
         self._root = os.path.join(os.path.abspath(options.path), context.namespace_fp.hex())
         self._shard_width = len(f"{options.shards - 1:x}")
+        # Two locks. ``_lock``: the index, policy and counters, in memory only, never
+        # held over a system call (a caller's thread takes it). ``_fs_lock``: every
+        # change to a chunk's final path with the index update that goes with it
+        # (publish, unlink), taken only on the tier's own worker threads, always
+        # before ``_lock``. ``_seq`` is odd while such a change is in progress and
+        # moves on with each: a look at the file system (exists, a read) applies
+        # what it saw to the index only if ``_seq`` did not move meanwhile.
         self._lock = threading.Lock()
+        self._fs_lock = threading.Lock()
+        self._seq = 0
         self._index: dict[ChunkKey, int] = {}  # key -> file size
         self._reserved = 0  # bytes of writes in flight
         self._used = 0  # bytes in the index
@@ -203,30 +229,28 @@ class DiskBackend(Backend):
         self._counters: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "puts", "put_skipped_present", "put_failures", "put_enospc",
              "put_eacces", "put_erofs", "put_other_errors", "put_too_large", "put_no_room",
-             "corrupt", "unverifiable", "rejected", "read_errors", "read_timeouts",
-             "read_stalled", "evictions", "deletes", "errors"), 0
+             "put_timeouts", "put_stalled", "corrupt", "unverifiable", "rejected", "read_errors",
+             "read_timeouts", "read_stalled", "evictions", "deletes", "errors"), 0
         )  # fmt: skip
         self._pool = (
             ThreadPoolExecutor(options.io_threads, thread_name_prefix="kvsdk-disk")
             if options.io_threads > 1
             else None
         )
+        # every system call runs on one of these (callers wait at most read_timeout):
+        # reads, exists and the start-up scan on the readers, writes and deletes on the
+        # writers (so a backlog of writes never delays a read)
         self._reader = DeadlineReader(options.read_workers, options.read_timeout)
+        self._writer = DeadlineReader(
+            options.read_workers, options.read_timeout, name="kvsdk-disk-write"
+        )
         weakref.finalize(self, self._reader.close)  # a tier dropped without close()
+        weakref.finalize(self, self._writer.close)
         self._tls = threading.local()  # each reader thread's scratch buffer
         self._made_dirs: set[str] = set()
-        top = os.path.abspath(options.path)
-        try:
-            os.makedirs(top, mode=0o700, exist_ok=True)
-            check_top_dir(top)
-            self._makedirs(self._root)
-            for shard in range(options.shards if options.shards > 1 else 0):
-                self._makedirs(os.path.join(self._root, f"{shard:0{self._shard_width}x}"))
-        except OSError as exc:
-            self._count("errors")
-            self._burst.warning("mkdir", "disk tier: cannot create %s (%s); stores will fail",
-                                self._root, exc.strerror)  # fmt: skip
-        self._scan()
+        self._checked = False  # the directories checked (or made); else retried first
+        self._check_lock = threading.Lock()  # (worker threads only)
+        self._start()
 
     # -- paths -------------------------------------------------------------------------
     def _shard_dir(self, key_hex: str) -> str:
@@ -250,45 +274,113 @@ class DiskBackend(Backend):
             check_private_dir(path)
         self._made_dirs.add(path)
 
-    # -- start-up scan ----------------------------------------------------------------
-    def _scan(self) -> None:
-        """Rebuild the index from the directory, oldest first; drop stale temp files."""
-        found: list[tuple[float, ChunkKey, int]] = []
-        now = time.time()
+    # -- start: directories and the scan, each step within read_timeout ----------------
+    def _start(self) -> None:
+        """Check or create the directories, then index what they hold, oldest
+        first. Each step runs on a thread of its own (stopped afterwards, so a
+        tier made before a ``fork`` starts its workers afresh in the child) and
+        is waited for at most ``read_timeout``: on a file system that does not
+        answer the tier starts with what it indexed so far (entries not indexed
+        are found when looked up), and the directory check is made again before
+        the first operation that reaches the file system."""
+        boot = DeadlineReader(1, self.options.read_timeout, name="kvsdk-disk-start")
+        try:
+            if self._at_start(boot, self._setup, "checking the directories") is TIMED_OUT:
+                return
+            self._checked = True
+            dirs = self._at_start(boot, self._list_dirs, "listing the directories")
+            if not isinstance(dirs, list):
+                return
+            found: list[tuple[float, ChunkKey, int]] = []
+            for d in dirs:
+                part = self._at_start(boot, partial(self._scan_dir, d), "scanning " + d)
+                if not isinstance(part, list):
+                    break  # no answer: index what was found so far
+                found += part
+            found.sort()
+            with self._lock:
+                for _, key, size in found:
+                    self._add_locked(key, size)
+                victims = self._evict_locked(0)
+            if victims:  # over capacity (a smaller one than last time): the oldest go
+                self._at_start(boot, partial(self._unlink_all, victims), "evicting")
+        finally:
+            boot.close()
+
+    def _at_start(self, boot: DeadlineReader, fn: Callable[[], _R], what: str) -> Any:
+        res = boot.run(lambda handoff: None if handoff.abandoned else fn())
+        if res is TIMED_OUT or res is STALLED:
+            self._count(*(("read_timeouts", "errors") if res is TIMED_OUT else ("read_stalled",)))
+            self._burst.warning(
+                "start_timeout",
+                "disk tier: %s in %s took over %.1f s at start (a hung file system?); the "
+                "tier starts with the entries indexed so far",
+                what, self._root, self.options.read_timeout,
+            )  # fmt: skip
+            return TIMED_OUT
+        return res
+
+    def _setup(self) -> None:
+        top = os.path.abspath(self.options.path)
+        try:
+            os.makedirs(top, mode=0o700, exist_ok=True)
+            check_top_dir(top)
+            self._makedirs(self._root)
+            for shard in range(self.options.shards if self.options.shards > 1 else 0):
+                self._makedirs(os.path.join(self._root, f"{shard:0{self._shard_width}x}"))
+        except OSError as exc:
+            self._count("errors")
+            self._burst.warning("mkdir", "disk tier: cannot create %s (%s); stores will fail",
+                                self._root, exc.strerror)  # fmt: skip
+
+    def _ensure_checked(self) -> None:
+        """On a worker: the directory check, if the one at start had no answer
+        (raises ``ValueError`` for a directory that is not safe to use)."""
+        if self._checked:
+            return
+        with self._check_lock:
+            if not self._checked:
+                self._setup()
+                self._checked = True
+
+    def _list_dirs(self) -> list[str]:
         dirs = [self._root]
         try:
             dirs += [e.path for e in os.scandir(self._root) if e.is_dir(follow_symlinks=False)]
         except OSError:
-            return
-        for d in dirs:
+            return []
+        return dirs
+
+    def _scan_dir(self, d: str) -> list[tuple[float, ChunkKey, int]]:
+        """The entries of directory ``d`` as (mtime, key, size); stale temp files
+        are removed, files written with another shard count moved to their place."""
+        found: list[tuple[float, ChunkKey, int]] = []
+        now = time.time()
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            return found
+        for e in entries:
             try:
-                entries = list(os.scandir(d))
+                if e.name.startswith(_TMP_PREFIX):
+                    if now - e.stat().st_mtime > STALE_TMP_SECONDS:
+                        os.unlink(e.path)
+                    continue
+                if not _ENTRY_RE.match(e.name) or not e.is_file(follow_symlinks=False):
+                    continue
+                st = e.stat(follow_symlinks=False)
+                if not self._plausible_size(st.st_size):
+                    continue  # not a frame of this namespace: a miss when asked
+                key = bytes.fromhex(e.name[:32])
+                want = self._path(key)
+                if e.path != want:  # written with another shard count
+                    self._makedirs(os.path.dirname(want))
+                    with self._final_paths():
+                        os.replace(e.path, want)
+                found.append((st.st_mtime, key, st.st_size))
             except OSError:
                 continue
-            for e in entries:
-                try:
-                    if e.name.startswith(_TMP_PREFIX):
-                        if now - e.stat().st_mtime > STALE_TMP_SECONDS:
-                            os.unlink(e.path)
-                        continue
-                    if not _ENTRY_RE.match(e.name) or not e.is_file(follow_symlinks=False):
-                        continue
-                    st = e.stat(follow_symlinks=False)
-                    if not self._plausible_size(st.st_size):
-                        continue  # not a frame of this namespace: a miss when asked
-                    key = bytes.fromhex(e.name[:32])
-                    want = self._path(key)
-                    if e.path != want:  # written with another shard count
-                        self._makedirs(os.path.dirname(want))
-                        os.replace(e.path, want)
-                    found.append((st.st_mtime, key, st.st_size))
-                except OSError:
-                    continue
-        found.sort()
-        with self._lock:
-            for _, key, size in found:
-                self._add_locked(key, size)
-            self._evict_locked(0)
+        return found
 
     # -- index (call with the lock held) --------------------------------------------------
     def _add_locked(self, key: ChunkKey, size: int) -> None:
@@ -309,13 +401,14 @@ class DiskBackend(Backend):
         self._policy.remove(key)
         return True
 
-    def _evict_locked(self, incoming: int) -> None:
-        """Evict until ``incoming`` more bytes fit. Files are unlinked here, under
-        the lock, like every change to a final path: another thread never sees
-        an index entry without its file or a file it could re-index by mistake."""
+    def _evict_locked(self, incoming: int) -> list[str]:
+        """Choose and forget entries until ``incoming`` more bytes fit; returns
+        their paths, which the caller unlinks before it leaves
+        :meth:`_final_paths` (so another thread never sees an index entry without
+        its file, or a file it could re-index by mistake)."""
         excess = self._used + self._reserved + incoming - self.options.capacity
         if excess <= 0:
-            return
+            return []
         chosen: list[ChunkKey] = []
         for key in self._policy.candidates():
             chosen.append(key)
@@ -325,9 +418,21 @@ class DiskBackend(Backend):
         for key in chosen:
             self._policy.evicted(key)
             self._used -= self._index.pop(key)
-            with contextlib.suppress(OSError):
-                os.unlink(self._path(key))
         self._counters["evictions"] += len(chosen)
+        return [self._path(key) for key in chosen]
+
+    @contextlib.contextmanager
+    def _final_paths(self) -> Iterator[None]:
+        """Held while a final path changes (on a worker thread): ``_fs_lock``, with
+        ``_seq`` odd inside and moved on, so looks made meanwhile are not applied."""
+        with self._fs_lock:
+            with self._lock:
+                self._seq += 1
+            try:
+                yield
+            finally:
+                with self._lock:
+                    self._seq += 1
 
     def _unlink_all(self, paths: Sequence[str]) -> None:
         for path in paths:
@@ -347,19 +452,112 @@ class DiskBackend(Backend):
             out += part
         return out
 
+    # -- what a look at the file system found -------------------------------------------
+    def _settle(self, key: ChunkKey, size: int | None, seq: int) -> bool:
+        """Apply what a look at ``key``'s file (begun when ``_seq`` was ``seq``)
+        found, ``size`` or None (absent), to the index, unless a final path
+        changed meanwhile; True when it is an entry this tier does not index yet
+        (stored by another process: :meth:`_adopt` it)."""
+        with self._lock:
+            if self._seq != seq or seq & 1:
+                return False  # a change in between: the next look settles it
+            if size is None:
+                self._forget_locked(key)
+                return False
+            return key not in self._index
+
+    def _adopt(self, key: ChunkKey, size: int, seq: int) -> None:
+        """Index an entry another process stored (found with ``_seq`` at ``seq``),
+        evicting for it, unless a final path changed since. Skipped while another
+        change holds ``_fs_lock``: a later look adopts it."""
+        if not self._fs_lock.acquire(blocking=False):
+            return
+        try:
+            with self._lock:
+                if self._seq != seq or key in self._index:
+                    return
+                self._seq += 1
+                self._add_locked(key, size)
+                victims = self._evict_locked(0)
+            self._unlink_all(victims)
+            with self._lock:
+                self._seq += 1
+        finally:
+            self._fs_lock.release()
+
+    def _remove(self, key: ChunkKey, path: str) -> bool:
+        """Forget ``key`` and unlink its file (on a worker); True if either was there."""
+        with self._final_paths():
+            with self._lock:
+                known = self._forget_locked(key)
+            try:
+                os.unlink(path)
+                removed = True
+            except OSError:
+                removed = False
+        return known or removed
+
+    def _missed_deadline(self, res: object, what: str, pool: DeadlineReader, n: int = 1) -> None:
+        """Count and log ``n`` operations that got no answer within ``read_timeout``
+        (``TIMED_OUT``: misses and errors) or were not made as every thread of
+        ``pool`` is blocked (``STALLED``)."""
+        kind = "put" if pool is self._writer else "read"
+        threads = "writer" if pool is self._writer else "reader"
+        if res is TIMED_OUT:
+            self._count_n(f"{kind}_timeouts", n)
+            self._count_n("errors", n)
+            self._burst.warning(
+                f"{what}_timeout",
+                "disk tier: %s in %s took over %.1f s (a hung file system?): a miss; "
+                "%d of %d %s threads still blocked",
+                what, self._root, self.options.read_timeout, pool.late,
+                self.options.read_workers, threads,
+            )  # fmt: skip
+        else:
+            self._count_n(f"{kind}_stalled", n)
+            self._burst.warning(
+                f"{what}_stalled",
+                "disk tier: all %d %s threads are blocked past their deadline in %s; "
+                "a %s is a miss without touching the file system until one returns",
+                self.options.read_workers, threads, self._root, what,
+            )  # fmt: skip
+
     # -- Backend ------------------------------------------------------------------------
     def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        out = []
-        for key in keys:
-            with self._lock:  # the file and the index agree under the lock
-                size = file_size(self._path(key))
-                if size is not None and not self._plausible_size(size):
-                    size = None  # not a frame of this namespace: a miss when read
-                if size is None:
-                    self._forget_locked(key)
-                elif key not in self._index:  # stored by another process
-                    self._add_locked(key, size)
-                    self._evict_locked(0)
+        """Whether each key's file is there (this or another process stored it),
+        looked at on a reader thread within ``read_timeout``: past it, or while
+        every reader thread is blocked, every key is a miss."""
+        keys = list(keys)
+        paths = [self._path(k) for k in keys]
+        out: list[bool] = []
+        for i in range(0, len(keys), LOOK_STEP):
+            step = partial(self._exists_task, keys[i : i + LOOK_STEP], paths[i : i + LOOK_STEP])
+            res = self._reader.run(step)
+            if res is TIMED_OUT or res is STALLED:  # the rest: misses, not attempted
+                self._missed_deadline(res, "exists", self._reader)
+                return out + [False] * (len(keys) - len(out))
+            assert isinstance(res, list)
+            out += res
+        return out
+
+    def _exists_task(
+        self, keys: list[ChunkKey], paths: list[str], handoff: Handoff
+    ) -> list[bool]:
+        """On a reader thread: one ``lstat`` per key, applied to the index."""
+        out: list[bool] = []
+        if handoff.abandoned:
+            return out
+        self._ensure_checked()
+        for key, path in zip(keys, paths):
+            if handoff.abandoned:  # the caller gave up: the rest is not looked at
+                break
+            seq = self._seq
+            size = file_size(path)
+            if size is not None and not self._plausible_size(size):
+                size = None  # not a frame of this namespace: a miss when read
+            if self._settle(key, size, seq):
+                assert size is not None
+                self._adopt(key, size, seq)
             out.append(size is not None)
         return out
 
@@ -389,41 +587,24 @@ class DiskBackend(Backend):
         key, outs = item
         path = self._path(key)
         want = None if outs is None else sum(o.nbytes for o in outs)
-        res = self._reader.run(partial(self._read_file, path, key, want), outs)
-        if res is TIMED_OUT:
-            self._count("read_timeouts", "errors", "misses")
-            self._burst.warning(
-                "read_timeout",
-                "disk tier: a read in %s took over %.1f s (a hung file system?): a miss; "
-                "%d of %d reader threads still blocked",
-                self._root, self.options.read_timeout, self._reader.late,
-                self.options.read_workers,
-            )  # fmt: skip
-            return None
-        if res is STALLED:
-            self._count("read_stalled", "misses")
-            self._burst.warning(
-                "read_stalled",
-                "disk tier: all %d reader threads are blocked past their deadline in %s; "
-                "reads are misses without touching the file system until one returns",
-                self.options.read_workers, self._root,
-            )  # fmt: skip
+        res = self._reader.run(partial(self._read_task, path, key, want), outs)
+        if res is TIMED_OUT or res is STALLED:
+            self._missed_deadline(res, "read", self._reader)
+            self._count("misses")
             return None
         assert isinstance(res, _Read)
         if res.kind == "absent" or res.kind == "open_error":
             if res.kind == "open_error":
                 self._count("read_errors", "errors")
                 self._burst.warning("read", "disk tier: cannot open %s: %s", path, res.detail)
-            with self._lock:
-                if file_size(path) is None:  # (not published by a put meanwhile)
-                    self._forget_locked(key)
             self._count("misses")
             return None
         if res.kind == "abandoned":  # the caller timed out meanwhile (never here in order)
             self._count("misses")
             return None
         if res.kind == "rejected":
-            self._reject(key, path, res.detail)
+            self._count("rejected", "corrupt", "misses")
+            self._burst.warning("rejected", "disk tier: dropping %s: %s", path, res.detail)
             return None
         if res.kind == "read_error":
             self._count("read_errors", "misses", "errors")
@@ -436,29 +617,47 @@ class DiskBackend(Backend):
         if res.kind == "corrupt":
             self._count("corrupt", "misses")
             self._burst.warning("corrupt", "disk tier: dropping %s: %s", path, res.detail)
-            self.delete([key])
             return None
-        assert res.kind == "ok" and res.st is not None
-        with self._lock:
-            if key in self._index:
-                self._policy.touch(key)
-            elif same_file(path, res.st):  # stored by another process (not deleted meanwhile)
-                self._add_locked(key, res.st.st_size)
-                self._evict_locked(0)
-            self._counters["hits" if res.fits else "misses"] += 1
+        assert res.kind == "ok"
+        self._count("hits" if res.fits else "misses")
         if not res.fits:
             return None
         if outs is None:
             return res.payload
         return outs[0] if outs else memoryview(b"")
 
+    def _read_task(self, path: str, key: ChunkKey, want: int | None, handoff: Handoff) -> _Read:
+        """On a reader thread: read ``path`` (:meth:`_read_file`), then make the
+        index agree with what was found (a file that is gone is forgotten, one
+        another process stored is indexed, a bad one removed)."""
+        if handoff.abandoned:  # queued past its deadline: not attempted
+            return _Read("abandoned")
+        self._ensure_checked()
+        seq = self._seq
+        res = self._read_file(path, key, want, handoff)
+        if res.kind == "absent" or res.kind == "open_error":
+            self._settle(key, None, seq)
+        elif res.kind == "rejected" or res.kind == "corrupt":
+            # a symlink, FIFO or huge file, or a frame that fails verification: removed
+            # (unlinking a symlink removes the link, not its target)
+            if self._remove(key, path) and res.kind == "corrupt":
+                self._count("deletes")
+        elif res.kind == "ok":
+            assert res.st is not None
+            touched = False
+            with self._lock:
+                if key in self._index:
+                    self._policy.touch(key)
+                    touched = True
+            if not touched and self._settle(key, res.st.st_size, seq):
+                self._adopt(key, res.st.st_size, seq)  # stored by another process
+        return res
+
     def _read_file(self, path: str, key: ChunkKey, want: int | None, handoff: Handoff) -> _Read:
         """On a reader thread: open, check, read and verify ``path``; with ``want``
         (the caller's buffers' total size), copy a payload of that size into the
         caller's buffers, only if the caller still waits (``handoff.deliver``).
         Touches no index and takes no lock of the tier: it may block for good."""
-        if handoff.abandoned:  # queued past its deadline: not attempted
-            return _Read("abandoned")
         try:
             fd = os.open(path, _OPEN_FLAGS)
         except OSError as exc:
@@ -509,64 +708,132 @@ class DiskBackend(Backend):
         return memoryview(buf)[:size]
 
     def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
-        return self._map(self._put_one, items)
+        return self._put_batch(list(items))
 
     def put_parts(self, items: Sequence[tuple[ChunkKey, Sequence[memoryview]]]) -> list[bool]:
         """Like :meth:`put` of the joined parts (the same frame on disk), written
         with one ``writev`` from the parts as they are: no join, no copy."""
-        return self._map(self._put_one, [(k, flat_parts(parts)) for k, parts in items])
+        return self._put_batch([(k, flat_parts(parts)) for k, parts in items])
 
-    def _put_one(self, item: tuple[ChunkKey, Any]) -> bool:
-        key, value = item
-        if isinstance(value, list):  # from put_parts: flat byte views
-            parts: list[memoryview] = value
-            nbytes = sum(p.nbytes for p in parts)
-            header = encode_header(self._ns, key, parts, "|u1", (nbytes,), mac_key=self._mac)
-        else:
-            flat, dtype, shape = as_payload(value)
-            parts, nbytes = [flat], flat.nbytes
-            header = encode_header(self._ns, key, flat, dtype, shape, mac_key=self._mac)
-        size = len(header) + nbytes
-        path = self._path(key)
-        with self._lock:
+    def _put_batch(self, items: list[tuple[ChunkKey, Any]]) -> list[bool]:
+        """The items framed and written on writer threads (with ``io_threads``, one
+        contiguous share per thread), each share within ``read_timeout``."""
+        if not items:
+            return []
+        if self._pool is None or len(items) < 2:
+            return self._put_share(items)
+        k = min(self.options.io_threads, len(items))
+        cuts = [len(items) * i // k for i in range(k + 1)]
+        out: list[bool] = []
+        for part in self._pool.map(self._put_share, [items[a:b] for a, b in pairwise(cuts)]):
+            out += part
+        return out
+
+    def _put_share(self, items: list[tuple[ChunkKey, Any]]) -> list[bool]:
+        """Frame and write ``items`` in order on a writer thread, ``WRITE_STEP``
+        at a time; the caller waits at most ``read_timeout`` for each step. The
+        items not done by then are dropped writes (False, ``put_timeouts``): no
+        writer thread starts them, and the one writing removes its temp file and
+        ends its reservation when the OS returns (or, if the deadline passed
+        during the final rename, indexes the complete frame it published)."""
+        out: list[bool] = []
+        for i in range(0, len(items), WRITE_STEP):
+            done: list[str | OSError] = []  # outcomes, delivered while the caller waits
+            res = self._writer.run(partial(self._write_task, items[i : i + WRITE_STEP]), done)
+            out += [self._put_outcome(outcome) for outcome in done]
+            if res is TIMED_OUT or res is STALLED:
+                dropped = len(items) - len(out)
+                if dropped:
+                    self._missed_deadline(res, "write", self._writer, dropped)
+                    self._count_n("put_failures", dropped)
+                return out + [False] * dropped
+        return out
+
+    def _put_outcome(self, res: str | OSError) -> bool:
+        if res == "stored":
+            self._count("puts")
+            return True
+        if res == "present":
+            self._count("put_skipped_present")
+            return True
+        if res in ("too_large", "no_room"):
+            self._count(f"put_{res}", "put_failures")
+            return False
+        assert isinstance(res, OSError)
+        kind = _ERRNO_STAT.get(res.errno or 0, "other_errors")
+        self._count(f"put_{kind}", "put_failures", "errors")
+        self._burst.warning(
+            f"put_{kind}", "disk tier: store refused in %s: %s", self._root, res.strerror
+        )
+        return False
+
+    def _write_task(self, items: list[tuple[ChunkKey, Any]], handoff: Handoff) -> None:
+        """On a writer thread: frame (checksum or MAC, on this thread, so the
+        payload is still in its cache when written) and write each item, handing
+        each outcome to the caller while it waits; stops when it gave up."""
+        for key, value in items:
+            if handoff.abandoned:  # past the deadline: the rest not attempted
+                return
+            self._ensure_checked()
+            if isinstance(value, list):  # from put_parts: flat byte views
+                parts: list[memoryview] = value
+                nbytes = sum(p.nbytes for p in parts)
+                header = encode_header(self._ns, key, parts, "|u1", (nbytes,), mac_key=self._mac)
+            else:
+                flat, dtype, shape = as_payload(value)
+                parts, nbytes = [flat], flat.nbytes
+                header = encode_header(self._ns, key, flat, dtype, shape, mac_key=self._mac)
+            outcome = self._write_one(self._path(key), key, header, parts, len(header) + nbytes,
+                                      handoff)  # fmt: skip
+            if outcome == "abandoned" or not handoff.deliver(partial(_append, outcome)):
+                return
+
+    def _write_one(
+        self, path: str, key: ChunkKey, header: bytes, parts: list[memoryview], size: int,
+        handoff: Handoff,
+    ) -> str | OSError:  # fmt: skip
+        """Reserve room (or find the key stored), write a temporary file, then
+        publish it (rename), index it and end the reservation in one step. An
+        outcome: stored, present, too_large, no_room, abandoned (the caller gave
+        up before the rename), or the ``OSError`` that refused the write."""
+        with self._final_paths():
             present = file_size(path)  # ours or another process's
-            if present is not None:
-                if key in self._index:
-                    self._policy.touch(key)
+            victims: list[str] = []
+            with self._lock:
+                if present is not None:
+                    if key in self._index:
+                        self._policy.touch(key)
+                    else:
+                        self._add_locked(key, present)
+                        victims = self._evict_locked(0)
+                    outcome = "present"
+                elif size > self.options.capacity or not self._plausible_size(size):
+                    outcome = "too_large"
                 else:
-                    self._add_locked(key, present)
-                    self._evict_locked(0)
-                self._counters["put_skipped_present"] += 1
-                return True
-            if size > self.options.capacity or not self._plausible_size(size):
-                self._counters["put_too_large"] += 1
-                self._counters["put_failures"] += 1
-                return False
-            self._evict_locked(size)
-            if self._used + self._reserved + size > self.options.capacity:
-                self._counters["put_no_room"] += 1  # the rest is writes in flight
-                self._counters["put_failures"] += 1
-                return False
-            self._reserved += size
+                    victims = self._evict_locked(size)
+                    if self._used + self._reserved + size > self.options.capacity:
+                        outcome = "no_room"  # the rest is writes in flight
+                    else:
+                        self._reserved += size
+                        outcome = ""
+            self._unlink_all(victims)
+        if outcome:
+            return outcome
         try:
-            self._write_file(path, header, parts, key, size)
+            return self._write_file(path, header, parts, key, size, handoff)
         except OSError as exc:
-            kind = _ERRNO_STAT.get(exc.errno or 0, "other_errors")
-            self._count(f"put_{kind}", "put_failures", "errors")
-            self._burst.warning(
-                f"put_{kind}", "disk tier: store refused in %s: %s", self._root, exc.strerror
-            )
             with self._lock:
                 self._reserved -= size
-            return False
-        return True
+            return exc
 
     def _write_file(
-        self, path: str, header: bytes, payload: list[memoryview], key: ChunkKey, size: int
-    ) -> None:
+        self, path: str, header: bytes, payload: list[memoryview], key: ChunkKey, size: int,
+        handoff: Handoff,
+    ) -> str:  # fmt: skip
         """Write a temporary file, then publish it (rename), index it and end the
-        reservation of ``size`` bytes in one step under the lock (on an error the
-        caller ends the reservation)."""
+        reservation of ``size`` bytes in one step (on an error the caller ends
+        the reservation). "abandoned" if the caller gave up before the rename:
+        the temporary file is removed, the reservation ended, nothing published."""
         directory = os.path.dirname(path)
         try:
             self._makedirs(directory)
@@ -584,11 +851,17 @@ class DiskBackend(Backend):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            with self._lock:
+            if handoff.abandoned:  # past its deadline: a dropped write
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                with self._lock:
+                    self._reserved -= size
+                return "abandoned"
+            with self._final_paths():
                 os.replace(tmp, path)
-                self._reserved -= size
-                self._add_locked(key, size)
-                self._counters["puts"] += 1
+                with self._lock:
+                    self._reserved -= size
+                    self._add_locked(key, size)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -599,33 +872,50 @@ class DiskBackend(Backend):
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
+        return "stored"
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
-        n = 0
-        for key in keys:
-            with self._lock:
-                known = self._forget_locked(key)
-                try:
-                    os.unlink(self._path(key))
-                    removed = True
-                except OSError:
-                    removed = False
-            n += known or removed
-        self._count_n("deletes", n)
-        return n
+        """Forget and unlink ``keys`` on a writer thread within ``read_timeout``
+        (past it: 0, an error; the writer thread finishes when the OS returns)."""
+        if not keys:
+            return 0
+        paths = [self._path(k) for k in keys]
+        res = self._writer.run(partial(self._delete_task, list(keys), paths))
+        if res is TIMED_OUT or res is STALLED:
+            self._missed_deadline(res, "delete", self._writer)
+            return 0
+        assert isinstance(res, int)
+        self._count_n("deletes", res)
+        return res
+
+    def _delete_task(self, keys: list[ChunkKey], paths: list[str], handoff: Handoff) -> int:
+        if handoff.abandoned:
+            return 0
+        self._ensure_checked()
+        return sum(self._remove(key, path) for key, path in zip(keys, paths))
 
     def clear(self) -> None:
-        # under the lock, as every change to a final path: a put finishing meanwhile
-        # either lands before (and is cleared) or after (and stays indexed)
-        with self._lock:
-            for key in list(self._index):
-                self._forget_locked(key)
-            dirs = [self._root]
-            try:
-                dirs += [e.path for e in os.scandir(self._root) if e.is_dir(follow_symlinks=False)]
-            except OSError:
-                return
-            for d in dirs:
+        """Drop every entry of this namespace, on a writer thread within
+        ``read_timeout`` (``TimeoutError`` past it; the thread finishes later)."""
+        res = self._writer.run(self._clear_task)
+        if res is TIMED_OUT or res is STALLED:
+            self._missed_deadline(res, "clear", self._writer)
+            raise TimeoutError(
+                f"disk tier: clearing {self._root} took over {self.options.read_timeout:.1f} s "
+                "(a hung file system?)"
+            )
+
+    def _clear_task(self, handoff: Handoff) -> None:
+        # one change to the final paths: a put finishing meanwhile either lands
+        # before (and is cleared) or after (and stays indexed)
+        if handoff.abandoned:
+            return
+        self._ensure_checked()
+        with self._final_paths():
+            with self._lock:
+                for key in list(self._index):
+                    self._forget_locked(key)
+            for d in self._list_dirs():
                 try:
                     names = [e.path for e in os.scandir(d) if _ENTRY_RE.match(e.name)]
                 except OSError:
@@ -644,6 +934,7 @@ class DiskBackend(Backend):
                 bytes_used=float(self._used),
                 bytes_reserved=float(self._reserved),
                 reads_blocked=float(self._reader.late),
+                writes_blocked=float(self._writer.late),
                 capacity_bytes=float(self.options.capacity),
             )
         return out
@@ -660,13 +951,16 @@ class DiskBackend(Backend):
             return self._counters["errors"]
 
     def available(self) -> bool:
-        """False while every reader thread is held by a read past its deadline:
-        reads are then misses without touching the file system (``read_stalled``),
-        so they say nothing about whether it is back."""
-        return self._reader.late < self.options.read_workers
+        """False while every reader thread (or every writer thread) is held by a
+        call past its deadline: calls are then misses without touching the file
+        system (``read_stalled``, ``put_stalled``), so they say nothing about
+        whether it is back."""
+        n = self.options.read_workers
+        return self._reader.late < n and self._writer.late < n
 
     def close(self) -> None:
         self._reader.close()
+        self._writer.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -675,16 +969,6 @@ class DiskBackend(Backend):
     def _plausible_size(self, size: int) -> bool:
         """A file of ``size`` bytes can be a frame of this namespace."""
         return size >= HEADER_SIZE and (self._max_frame is None or size <= self._max_frame)
-
-    def _reject(self, key: ChunkKey, path: str, what: str) -> None:
-        """``path`` cannot be a frame (a symlink, a FIFO, too big): a miss, and
-        the entry removed (unlinking a symlink removes the link, not its target)."""
-        self._count("rejected", "corrupt", "misses")
-        self._burst.warning("rejected", "disk tier: dropping %s: %s", path, what)
-        with self._lock:
-            self._forget_locked(key)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
 
     def _count(self, *names: str) -> None:
         with self._lock:
@@ -697,44 +981,28 @@ class DiskBackend(Backend):
 
     @classmethod
     def inventory(cls, options: Any) -> list[dict[str, Any]]:
+        """Per namespace directory: its chunk files and bytes, and one header
+        read (format version, dtype, shape). Each namespace is walked on a
+        thread of its own within ``read_timeout`` (``TimeoutError`` past it)."""
         root = os.path.abspath(options.path)
-        out: list[dict[str, Any]] = []
+        timeout = float(getattr(options, "read_timeout", 5.0))
+        reader = DeadlineReader(1, timeout, name="kvsdk-disk-inspect")
+
+        def ask(fn: Callable[[], _R], where: str) -> _R:
+            res = reader.run(lambda handoff: None if handoff.abandoned else fn())
+            if res is TIMED_OUT or res is STALLED:
+                raise TimeoutError(
+                    f"{where} did not answer within {timeout:.1f} s (read_timeout; a hung "
+                    "file system?)"
+                )
+            return res  # type: ignore[return-value]
+
         try:
-            namespaces = sorted(
-                (e for e in os.scandir(root) if e.is_dir(follow_symlinks=False)),
-                key=lambda e: e.name,
-            )
-        except OSError:
-            return out
-        for ns in namespaces:
-            entries = size = 0
-            sample: str | None = None
-            for dirpath, _dirs, files in os.walk(ns.path):
-                for name in files:
-                    if name.startswith("."):
-                        continue  # temp files of writes in progress
-                    path = os.path.join(dirpath, name)
-                    try:
-                        size += os.stat(path).st_size
-                    except OSError:
-                        continue
-                    entries += 1
-                    sample = sample or path
-            row: dict[str, Any] = {"namespace": ns.name, "entries": entries, "bytes": size}
-            if sample is not None:
-                try:
-                    fd = os.open(sample, _OPEN_FLAGS)
-                    with open(fd, "rb") as fh:
-                        st = os.fstat(fd)
-                        if not stat.S_ISREG(st.st_mode):
-                            raise CorruptChunk("not a regular file")
-                        h = parse_header(fh.read(HEADER_SIZE), st.st_size - HEADER_SIZE)
-                    row["format_version"] = h.version
-                    row["dtype"], row["shape"] = h.dtype, list(h.shape)
-                except (OSError, CorruptChunk) as exc:
-                    row["sample_error"] = str(exc)
-            out.append(row)
-        return out
+            names = ask(partial(_namespace_dirs, root), root)
+            return [ask(partial(_inventory_row, root, name), os.path.join(root, name))
+                    for name in names]  # fmt: skip
+        finally:
+            reader.close()
 
     @classmethod
     def wipe(cls, options: Any, namespace: str | None = None) -> int:
@@ -761,6 +1029,54 @@ class DiskBackend(Backend):
 
     def __repr__(self) -> str:
         return f"DiskBackend({self._root!r}, capacity={self.options.capacity})"
+
+
+def _append(item: object, out: list[object]) -> None:
+    out.append(item)
+
+
+def _namespace_dirs(root: str) -> list[str]:
+    try:
+        return sorted(e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=False))
+    except OSError:
+        return []
+
+
+def _inventory_row(root: str, name: str) -> dict[str, Any]:
+    """``inventory``'s row for namespace directory ``name``: its regular files
+    (temp files of writes in progress left out) and one header read from one."""
+    entries = size = 0
+    sample: str | None = None
+    for dirpath, _dirs, files in os.walk(os.path.join(root, name)):
+        for fname in files:
+            if fname.startswith("."):
+                continue  # temp files of writes in progress
+            path = os.path.join(dirpath, fname)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue  # a symlink, FIFO, ...: not a chunk
+            size += st.st_size
+            entries += 1
+            sample = sample or path
+    row: dict[str, Any] = {"namespace": name, "entries": entries, "bytes": size}
+    if sample is not None:
+        try:
+            fd = os.open(sample, _OPEN_FLAGS)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise CorruptChunk("not a regular file")
+                h = parse_header(os.read(fd, HEADER_SIZE), st.st_size - HEADER_SIZE)
+            finally:
+                os.close(fd)
+            row["format_version"] = h.version
+            row["dtype"], row["shape"] = h.dtype, list(h.shape)
+        except (OSError, CorruptChunk) as exc:
+            row["sample_error"] = str(exc)
+    return row
 
 
 @hookimpl
