@@ -185,7 +185,10 @@ class Engine:
                 "kv_role": "kv_both",
                 "kv_connector_module_path": PROBE_MODULE,
                 "kv_connector_extra_config": {
-                    "config": {"tiers": [{"backend": "cpu", "capacity": capacity}]}
+                    "config": {
+                        **json.loads(args.kvsdk_config),
+                        "tiers": [{"backend": "cpu", "capacity": capacity}],
+                    }
                 },
             }
         elif config == "native":
@@ -875,6 +878,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="prompt tokens of the TP=2 row (part 4); 0 skips it")  # fmt: skip
     ap.add_argument("--tier-gib", type=float, default=1.0)
     ap.add_argument("--kv-space-gib", type=int, default=2)
+    ap.add_argument("--kvsdk-config", default="{}",
+                    help='kvsdk config keys (JSON) beside its tier, e.g. \'{"prompt_tail": false}\'')
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--child", choices=(*CONFIGS, *TP2_CONFIGS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
