@@ -1,4 +1,5 @@
-"""Real ``redis-server`` processes for tests: one server, or a three-node Cluster.
+"""Real ``redis-server`` processes for tests: one server, or a three-node Cluster,
+each also TLS only with AUTH (a throwaway CA from ``openssl``).
 
 Every server runs on a free loopback port with persistence off
 (``--save '' --appendonly no``) in a temporary directory, and is killed at
@@ -14,13 +15,17 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote
 
 import pytest
+import yaml
 
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
@@ -130,23 +135,36 @@ class RedisClusterNodes:
         return node
 
 
-def start_cluster(workdir: Path, n: int = 3) -> RedisClusterNodes:
+def start_cluster(
+    workdir: Path,
+    n: int = 3,
+    *,
+    node_args: Callable[[int], list[str]] | None = None,
+    password: str | None = None,
+    cli_args: Sequence[str] = (),
+) -> RedisClusterNodes:
     """``n`` cluster-enabled servers joined with ``redis-cli --cluster create``.
 
     ``cluster-require-full-coverage no``: when a node dies the others keep
-    serving their own slots (a cache wants exactly that)."""
+    serving their own slots (a cache wants exactly that). ``node_args(port)``
+    adds each node's own arguments (e.g. TLS only on ``port``), ``password``
+    is the AUTH every node requires and ``cli_args`` what ``redis-cli`` needs
+    to reach them (``--tls --cacert ...``)."""
     assert REDIS_CLI is not None
     nodes: list[RedisServer] = []
     try:
         for i in range(n):
             port = free_port(also_free=10000)
             args = ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                    "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no"]  # fmt: skip
-            nodes.append(RedisServer(workdir / f"node{i}", port, args).start())
+                    "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no",
+                    *(node_args(port) if node_args else [])]  # fmt: skip
+            nodes.append(RedisServer(workdir / f"node{i}", port, args, password=password,
+                                     ping_args=list(cli_args)).start())  # fmt: skip
+        env = dict(os.environ, REDISCLI_AUTH=password) if password else None
         subprocess.run(
-            [REDIS_CLI, "--cluster", "create", *[f"127.0.0.1:{s.port}" for s in nodes],
+            [REDIS_CLI, *cli_args, "--cluster", "create", *[f"127.0.0.1:{s.port}" for s in nodes],
              "--cluster-replicas", "0", "--cluster-yes"],
-            capture_output=True, text=True, timeout=60, check=True,
+            capture_output=True, text=True, timeout=60, check=True, env=env,
         )  # fmt: skip
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -187,6 +205,21 @@ def make_test_ca(workdir: Path) -> tuple[Path, Path, Path]:
     return ca, cert, key
 
 
+def _tls_args(port: int, ca: Path, cert: Path, key: Path) -> list[str]:
+    """TLS only: no plain port, ``port`` speaks TLS with the test CA's certificate."""
+    return ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert),
+            "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca),
+            "--tls-auth-clients", "no"]  # fmt: skip
+
+
+def _acl_args(acl_user: str | None, password: str | None) -> list[str]:
+    """An ACL user with ``password``, limited to kvsdk's keys."""
+    if acl_user is None:
+        return []
+    assert password is not None
+    return ["--user", acl_user, "on", f">{password}", "~kvsdk:*", "&*", "+@all"]
+
+
 def start_tls_server(
     workdir: Path, password: str | None = None, acl_user: str | None = None
 ) -> tuple[RedisServer, Path]:
@@ -196,12 +229,7 @@ def start_tls_server(
     limited to kvsdk's keys. Returns the server and the CA file to trust."""
     ca, cert, key = make_test_ca(workdir / "pki")
     port = free_port()
-    args = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert),
-            "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca),
-            "--tls-auth-clients", "no"]  # fmt: skip
-    if acl_user is not None:
-        assert password is not None
-        args += ["--user", acl_user, "on", f">{password}", "~kvsdk:*", "&*", "+@all"]
+    args = [*_tls_args(port, ca, cert, key), *_acl_args(acl_user, password)]
     server = RedisServer(workdir / "srv", port=port, args=args, password=password,
                          ping_args=["--tls", "--cacert", str(ca)])  # fmt: skip
     try:
@@ -210,6 +238,53 @@ def start_tls_server(
         server.kill()
         missing_tool(f"this redis-server cannot serve TLS: {exc}")
     return server, ca
+
+
+def start_tls_cluster(
+    workdir: Path, password: str, acl_user: str | None = None, n: int = 3
+) -> tuple[RedisClusterNodes, Path]:
+    """A ``n``-node Redis Cluster that speaks only TLS, to clients and between
+    its nodes (``--tls-cluster yes``, ``--tls-replication yes``; no plain port),
+    with one certificate from :func:`make_test_ca`; every node requires AUTH
+    (``requirepass``, ``masterauth``) and has ``acl_user`` with the same
+    password. Returns the cluster and the CA file to trust."""
+    ca, cert, key = make_test_ca(workdir / "pki")
+
+    def node_args(port: int) -> list[str]:
+        return [*_tls_args(port, ca, cert, key), "--tls-cluster", "yes",
+                "--tls-replication", "yes", "--masterauth", password,
+                *_acl_args(acl_user, password)]  # fmt: skip
+
+    try:
+        cluster = start_cluster(workdir, n, node_args=node_args, password=password,
+                                cli_args=["--tls", "--cacert", str(ca)])  # fmt: skip
+    except (RuntimeError, subprocess.CalledProcessError) as exc:
+        missing_tool(f"this redis-server cannot run a TLS cluster: {exc}")
+    return cluster, ca
+
+
+def in_url(user: str, password: str) -> str:
+    """``user:password@`` for a URL, both percent-encoded."""
+    return f"{quote(user, safe='')}:{quote(password, safe='')}@"
+
+
+def leaked(text: str, *passwords: str) -> list[str]:
+    """Each form of each password (raw, percent-encoded) found in ``text``."""
+    forms = {f for p in passwords for f in (p, quote(p, safe=""), quote(p))}
+    return sorted(f for f in forms if f in text)
+
+
+def inspect_cli(
+    tmp_path: Path, tier: dict[str, Any], *extra: str
+) -> subprocess.CompletedProcess[str]:
+    """``kvsdk inspect`` of a config whose slower tier is the Redis ``tier``, as a user runs it."""
+    cfg = tmp_path / "kvsdk.yaml"
+    cfg.write_text(yaml.safe_dump({"tiers": [{"backend": "cpu", "capacity": "1MiB"},
+                                             {"backend": "redis", **tier}]}))  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "kvsdk.cli", "inspect", str(cfg), *extra],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
 
 
 def missing_tool(message: str) -> None:
@@ -247,3 +322,21 @@ def redis_cluster_fixture() -> Iterator[RedisClusterNodes]:
         finally:
             for node in cluster.nodes:
                 node.kill()
+
+
+@pytest.fixture(scope="module", name="redis_tls_cluster")
+def redis_tls_cluster_fixture(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[RedisClusterNodes, Path]]:
+    """:func:`start_tls_cluster` with :data:`PASSWORD` and :data:`ACL_USER`:
+    ``(cluster, CA file)``."""
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        missing_tool("redis-server / redis-cli not installed (apt-get install redis-server)")
+    cluster, ca = start_tls_cluster(
+        tmp_path_factory.mktemp("tls-cluster"), password=PASSWORD, acl_user=ACL_USER
+    )
+    try:
+        yield cluster, ca
+    finally:
+        for node in cluster.nodes:
+            node.kill()
