@@ -199,6 +199,9 @@ class RedisBackend(Backend):
         parse_url(url)  # a malformed URL fails at start-up
         self._kwargs = _connection_kwargs(options, url)
         self._lock = threading.Lock()
+        self._connect_lock = threading.Lock()
+        """Held while the Cluster client connects (one thread at a time); never
+        while holding ``_lock``."""
         self._breakers: dict[str, _Breaker] = {}
         self._burst = BurstLog(log)
         self._counters: dict[str, int] = dict.fromkeys(
@@ -249,7 +252,8 @@ class RedisBackend(Backend):
         breaker = self._breaker("cluster")
         if not breaker.allow():
             return None
-        with self._lock:
+        failure: BaseException | None = None
+        with self._connect_lock:  # (not self._lock: _outage counts under it)
             if self._cluster is None:
                 try:
                     self._cluster = RedisCluster.from_url(
@@ -261,8 +265,10 @@ class RedisBackend(Backend):
                         **self._kwargs,
                     )
                 except _OUTAGE as exc:
-                    self._outage("cluster", None, exc)
-                    return None
+                    failure = exc
+        if failure is not None:
+            self._outage("cluster", None, failure)
+            return None
         breaker.succeeded()
         return self._cluster
 
@@ -620,9 +626,14 @@ class RedisBackend(Backend):
 def _what_failed(exc: BaseException) -> str:
     """What an outage was, in words: refused credentials and failed TLS
     handshakes are not a server that does not answer."""
-    if isinstance(exc, AuthenticationError):
+    causes: list[BaseException] = []
+    cause: BaseException | None = exc
+    while cause is not None and cause not in causes:  # Cluster errors wrap the node's error
+        causes.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    if any(isinstance(c, AuthenticationError) for c in causes):
         return "refused this client's credentials (username, password)"
-    text = str(exc)
+    text = " ".join(str(c) for c in causes)
     if "SSL" in text or "certificate" in text:
         return "failed the TLS handshake (certificate, tls_ca_file, tls_verify)"
     return "is not answering"
