@@ -103,6 +103,7 @@ class RedisOptions:
     ttl_seconds: int | None = None
     """Expire entries this long after they are stored (None: never; rely on maxmemory)."""
     username: str | None = None
+    """AUTH (ACL) user; overrides one in the URL."""
     password: str | None = None
     """AUTH password (never logged); overrides one in the URL."""
     tls: bool = False
@@ -640,10 +641,22 @@ def _what_failed(exc: BaseException) -> str:
 
 
 def _effective_url(o: RedisOptions) -> str:
-    """The URL to connect to: ``rediss://`` when ``tls`` is set on a ``redis://`` URL."""
-    if o.tls and o.url.startswith("redis://"):
-        return "rediss://" + o.url[len("redis://") :]
-    return o.url
+    """The URL to connect to: ``rediss://`` when ``tls`` is set on a ``redis://``
+    URL, and without the user or password that ``username`` / ``password``
+    override (redis-py lets a URL's credentials win over keyword arguments)."""
+    url = o.url
+    if o.tls and url.startswith("redis://"):
+        url = "rediss://" + url[len("redis://") :]
+    parts = urlsplit(url)
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if not at or (o.username is None and o.password is None):
+        return url
+    user, colon, password = userinfo.partition(":")
+    user = "" if o.username is not None else user
+    password = "" if o.password is not None else password
+    userinfo = user + (":" + password if colon and password else "")
+    netloc = (userinfo + "@" if userinfo else "") + host
+    return parts._replace(netloc=netloc).geturl()
 
 
 def _connection_kwargs(o: RedisOptions, url: str) -> dict[str, Any]:

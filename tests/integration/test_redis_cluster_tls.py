@@ -92,6 +92,9 @@ WAYS: dict[str, Callable[[RedisClusterNodes, Path], dict[str, Any]]] = {
     "acl-user-in-url": lambda c, ca: {
         "url": f"rediss://{in_url(ACL_USER, PASSWORD)}127.0.0.1:{c.nodes[2].port}",
         "tls_ca_file": str(ca)},
+    "option-overrides-url": lambda c, ca: {  # the options win over the URL's user and password
+        "url": f"rediss://{in_url('default', WRONG)}127.0.0.1:{c.nodes[1].port}",
+        "username": ACL_USER, "password": PASSWORD, "tls_ca_file": str(ca)},
     "password-in-url": lambda c, ca: {
         "url": f"rediss://{in_url('', PASSWORD)}127.0.0.1:{c.nodes[0].port}",
         "tls_ca_file": str(ca)},
