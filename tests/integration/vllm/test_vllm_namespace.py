@@ -39,14 +39,22 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-def config(model: str, *, hf_overrides: dict[str, Any] | None = None, **cache: Any) -> VllmConfig:
+def config(
+    model: str,
+    *,
+    hf_overrides: dict[str, Any] | None = None,
+    dtype: str = "float32",
+    quantization: str | None = None,
+    **cache: Any,
+) -> VllmConfig:
     model_config = ModelConfig(
         model=model,
         skip_tokenizer_init=True,
-        dtype="float32",
+        dtype=dtype,
         seed=0,
         max_model_len=1024,
         **({"hf_overrides": hf_overrides} if hf_overrides else {}),
+        **({"quantization": quantization} if quantization else {}),
     )
     return VllmConfig(
         model_config=model_config,
@@ -73,6 +81,27 @@ def test_each_input_that_changes_the_meaning_of_kv_changes_the_namespace(
     for field, meaning in variants.items():
         changed = {k for k, v in dict(meaning).items() if v != base[k]}
         assert changed == {field}, (field, changed)
+
+
+def test_quantization_changes_exactly_the_quantization_field(model_dir: str) -> None:
+    """vLLM's online quantization methods, as ``--quantization`` sets them, on
+    the CPU platform: VllmConfig runs vLLM's own checks and builds the
+    quantization config (``fp8_per_tensor`` and ``int8_per_channel_weight_only``
+    take bfloat16 or float16 activations only, so this test runs the model in
+    bfloat16 with and without them). Each method changes the quantization
+    field and nothing else, and two methods are two namespaces."""
+    with pytest.raises(ValueError, match=r"float32 is not supported for quantization"):
+        config(model_dir, quantization="fp8_per_tensor")  # why bfloat16 below
+    base = dict(meaning_of_kv(config(model_dir, dtype="bfloat16")))
+    seen = {base["quantization"]}
+    for method in ("fp8_per_tensor", "int8_per_channel_weight_only"):
+        quantized = config(model_dir, dtype="bfloat16", quantization=method)
+        assert quantized.quant_config is not None  # vLLM accepted it and built its config
+        meaning = dict(meaning_of_kv(quantized))
+        changed = {k for k, v in meaning.items() if v != base[k]}
+        assert changed == {"quantization"}, (method, changed)
+        seen.add(meaning["quantization"])
+    assert len(seen) == 3
 
 
 def test_a_prefix_hash_that_is_not_collision_resistant_is_refused_with_a_shared_tier(
