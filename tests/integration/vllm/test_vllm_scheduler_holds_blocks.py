@@ -79,9 +79,17 @@ class Engine:
     """vLLM's Scheduler and the scheduler side of KVSDKConnector it built."""
 
     def __init__(
-        self, model: str, engine_id: str, num_blocks: int = NUM_BLOCKS, *, eagle: bool = False
+        self,
+        model: str,
+        engine_id: str,
+        num_blocks: int = NUM_BLOCKS,
+        *,
+        eagle: bool = False,
+        prompt_tail: bool = False,
     ) -> None:
-        """``eagle``: vLLM marks the group as holding an EAGLE/MTP drafter's layers."""
+        """``eagle``: vLLM marks the group as holding an EAGLE/MTP drafter's layers.
+        ``prompt_tail`` off (kvsdk's default is on) for the tests that count
+        the stores of whole chunks; ``test_a_prompts_tail_*`` turn it on."""
         self.num_blocks = num_blocks
         kvsdk.plugins.vllm.register()
         init_none_hash(sha256)
@@ -104,6 +112,7 @@ class Engine:
                 kv_connector_extra_config={
                     "config": {
                         "chunk_tokens": CHUNK,
+                        "prompt_tail": prompt_tail,
                         "tiers": [{"backend": "cpu", "capacity": "2MiB"}],
                     }
                 },
@@ -427,6 +436,74 @@ def test_a_request_shorter_than_a_chunk_stores_nothing_and_frees_at_once(engine:
     assert not meta.release
     e.output(so)
     e.assert_empty()
+
+
+def test_a_prompts_tail_is_stored_held_for_and_loaded_before_the_forward_pass(
+    model_dir: str,
+) -> None:
+    """kvsdk's default, the prompt tail: a prompt shorter than a chunk stores
+    its partial chunk (its one block), and vLLM keeps the request's blocks until
+    that store landed; the same prompt again, after vLLM's own cache is reset,
+    is served from kvsdk to its last token, copied before the forward pass."""
+    engine_id = f"kvsdk-test-holds-{uuid.uuid4()}"
+    e = Engine(model_dir, engine_id, prompt_tail=True)
+    w = Worker(e)
+    try:
+        e.add("s", prompt_tokens=CHUNK - 5, max_tokens=2)
+        so, meta = e.schedule()
+        (store,) = store_jobs(meta, "s")  # the tail: tokens 0..26, in blocks 0 and 1
+        blocks = e.blocks_of("s")
+        assert [int(b) for c in store.copies for b in c.engine_blocks] == blocks
+        out = w.step(so, e.scheduler)  # the copy is slow: still queued
+        assert w.xfer.queued == [store]
+        e.output(so, worker_meta=out.kv_connector_worker_meta)
+        so, meta = e.schedule()
+        assert so.num_scheduled_tokens == {"s": 1} and not meta.stores
+        out = w.step(so, e.scheduler)
+        e.output(so, worker_meta=out.kv_connector_worker_meta)
+        assert e.finished_returned == {"s": True}  # held: its tail's store reads the blocks
+        assert e.holds("s") and e.free_blocks == NUM_BLOCKS - 1 - len(blocks)
+        w.xfer.open()
+        for _ in range(3):  # stored, released, freed
+            so, _ = e.schedule()
+            out = w.step(so, e.scheduler)
+            e.output(
+                so,
+                worker_meta=out.kv_connector_worker_meta,
+                finished_sending=out.finished_sending,
+            )
+        e.assert_empty()
+        stored = {b: w.kv[LAYER_NAMES[0]][b].clone() for b in blocks}
+        assert e.scheduler.reset_prefix_cache()  # vLLM's own cache: the hit is kvsdk's
+        for t in w.kv.values():  # whatever block vLLM hands out next, only a load refills it
+            t.fill_(-1.0)
+
+        e.add("s", prompt_tokens=CHUNK - 5, max_tokens=1)  # the same tokens, a new request
+        so, meta = e.schedule()
+        assert so.num_scheduled_tokens == {"s": 1}  # all but the last token from kvsdk
+        assert so.has_sync_kv_loads and meta.sync_loads
+        ((job_rid, job),) = meta.loads.values()
+        assert job_rid == "s"
+        loaded = [int(b) for c in job.copies for b in c.engine_blocks]
+        assert loaded == e.blocks_of("s")
+        w.side.flush(meta)
+        w.side.start_loads(meta)  # before the forward pass: the copy is done on return
+        for b_new, b_old in zip(loaded, stored, strict=True):
+            assert torch.equal(w.kv[LAYER_NAMES[0]][b_new], stored[b_old])
+        w.side.submit_stores(meta)
+        e.output(so, worker_meta=w.side.take_meta())
+        for _ in range(3):
+            so, _ = e.schedule()
+            out = w.step(so, e.scheduler)
+            e.output(
+                so,
+                worker_meta=out.kv_connector_worker_meta,
+                finished_sending=out.finished_sending,
+            )
+        e.assert_empty()
+    finally:
+        w.shutdown()
+        e.scheduler.shutdown()
 
 
 # -- preemption: blocks freed at once, kvsdk's stores flushed first ------------------------------
