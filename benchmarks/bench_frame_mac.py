@@ -15,9 +15,12 @@ Three figures, each a ratio *with MAC / without MAC* of wall time (1.0: free):
 First it prints each checksum and MAC alone (GiB/s over one chunk): a put+get
 round trip runs the MAC over every byte twice, so ``ratio - 1`` is about
 ``2 x (seconds per GiB of the MAC) / (seconds per GiB of the round trip without)``.
+``keyed-blake3-mt`` is the same MAC with ``max_threads=blake3.AUTO`` (one thread
+per core); ``--crossover`` prints both over sizes from 64 KiB to 8 MiB, to see
+where (if anywhere) the threads pay on this machine (kvsdk hashes on one thread).
 
     python benchmarks/bench_frame_mac.py [--chunks 64] [--chunk-mib 2] [--repeat 5]
-        [--redis redis://127.0.0.1:6379/0] [--out out/bench_frame_mac.json]
+        [--redis redis://127.0.0.1:6379/0] [--crossover] [--out out/bench_frame_mac.json]
 """
 
 from __future__ import annotations
@@ -186,6 +189,9 @@ def mac_rates(payload: bytes, repeat: int) -> dict[str, float]:
         "xxh3-128": lambda: xxhash.xxh3_128(view).digest(),
         "hmac-sha256": lambda: hmac.digest(key, view, "sha256"),
         "keyed-blake3": lambda: blake3.blake3(view, key=key).digest(16),
+        "keyed-blake3-mt": lambda: blake3.blake3(
+            view, key=key, max_threads=blake3.blake3.AUTO
+        ).digest(16),
     }
     gib = len(payload) * 16 / (1 << 30)
     out = {}
@@ -199,6 +205,27 @@ def mac_rates(payload: bytes, repeat: int) -> dict[str, float]:
     return out
 
 
+def crossover(repeat: int) -> dict[int, dict[str, float]]:
+    """GiB/s of keyed BLAKE3 on one thread and with ``max_threads=AUTO``, per size."""
+    key = os.urandom(32)
+    out: dict[int, dict[str, float]] = {}
+    for size in (64 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 8 << 20):
+        view = memoryview(os.urandom(size))
+        n = max(4, (64 << 20) // size)
+        row = {}
+        for name, threads in (("one", 1), ("auto", blake3.blake3.AUTO)):
+
+            def run(threads: int = threads, n: int = n, view: memoryview = view) -> None:
+                for _ in range(n):
+                    blake3.blake3(view, key=key, max_threads=threads).digest(16)
+
+            row[name] = size * n / (1 << 30) / best(run, repeat)
+        out[size] = row
+        print(f"crossover {size >> 10:5d} KiB: one thread {row['one']:5.2f} GiB/s, "
+              f"max_threads=AUTO ({os.cpu_count()} cores) {row['auto']:5.2f} GiB/s")  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", type=int, default=64)
@@ -207,6 +234,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--redis", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--crossover", action="store_true", help="keyed BLAKE3 threads vs size")
     args = ap.parse_args()
     size = int(args.chunk_mib * (1 << 20))
     rng = np.random.default_rng(0)
@@ -216,6 +244,9 @@ def main() -> None:
     rates = mac_rates(payloads[0], args.repeat)
     results["mac_gib_s"] = rates
     print("alone, GiB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in rates.items()))
+    print("load average: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    if args.crossover:
+        results["crossover_gib_s"] = crossover(args.repeat)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         figures = {
