@@ -36,7 +36,12 @@ planted (or written by a process started without the secret) and is
 :class:`UnverifiableChunk`. Keyed BLAKE3 rather than HMAC-SHA256 (format
 version 3): on a 2 MiB chunk it measured ~9 GiB/s against HMAC-SHA256's
 ~1.9 GiB/s with the SHA extensions (``benchmarks/bench_frame_mac.py``), which
-is what the MAC costs on every disk and Redis read and write.
+is what the MAC costs on every disk and Redis read and write. It runs on the
+one thread that frames or verifies (BLAKE3's default ``max_threads=1``): with
+``max_threads=AUTO`` (a thread per core) it measured slower at every size from
+64 KiB to 8 MiB on a shared 2-core machine (``bench_frame_mac.py
+--crossover``), and in an engine that uses every core its threads would
+compete with the engine's.
 """
 
 from __future__ import annotations
