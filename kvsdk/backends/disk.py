@@ -163,13 +163,17 @@ class DiskOptions:
     """Threads for per-file I/O within one batch (1: none). The tiered store already
     runs batches on several threads; on a small machine more threads measured slower."""
     read_timeout: float = 5.0
-    """Seconds one chunk read (open, fstat, read, verify) may take; past that it is a
-    miss, counted in `read_timeouts` and in the tier's errors, so a hung network file
-    system never holds the caller longer."""
+    """Seconds any file-system call of this tier may take: one chunk read (open, fstat,
+    read, verify), a step of `exists` or of a write (framing included), a delete, the
+    start-up check and scan. Past it a read or look is a miss (`read_timeouts`), a
+    write is dropped (`put_timeouts`), each counted in the tier's errors, so a hung
+    network file system never holds the caller longer."""
     read_workers: int = 4
-    """Threads of this tier that make its reads (callers wait at most `read_timeout`).
-    A read past its deadline keeps its thread until the OS returns; while all of them
-    are held so, reads are misses without a system call (`read_stalled`), logged."""
+    """Reader threads of this tier (reads, `exists`, start-up), and as many writer
+    threads (writes, deletes, clear); callers wait at most `read_timeout`. A call past
+    its deadline keeps its thread until the OS returns; while all of a set are held
+    so, its calls fail at once without a system call (`read_stalled`, `put_stalled`),
+    logged."""
 
     def __post_init__(self) -> None:
         if not self.path:
