@@ -6,19 +6,15 @@ import hashlib
 import json
 import logging
 import multiprocessing as mp
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import numpy as np
 import pytest
 import redis
-import yaml
 from redis.cluster import RedisCluster
 from redis_server import (  # noqa: F401  (fixtures)
     ACL_USER,
@@ -26,6 +22,9 @@ from redis_server import (  # noqa: F401  (fixtures)
     RedisClusterNodes,
     RedisServer,
     free_port,
+    in_url,
+    inspect_cli,
+    leaked,
     needs_redis,
     redis_cluster_fixture,
     redis_server_fixture,
@@ -332,10 +331,6 @@ def secure_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Re
     server.kill()
 
 
-def in_url(user: str, password: str) -> str:
-    return f"{quote(user, safe='')}:{quote(password, safe='')}@"
-
-
 SECURE_WAYS: dict[str, Callable[[int, Path], dict[str, Any]]] = {
     "default-user": lambda port, ca: {
         "url": f"rediss://127.0.0.1:{port}/0", "password": PASSWORD, "tls_ca_file": str(ca)},
@@ -346,25 +341,6 @@ SECURE_WAYS: dict[str, Callable[[int, Path], dict[str, Any]]] = {
         "url": f"rediss://{in_url(ACL_USER, PASSWORD)}127.0.0.1:{port}/0",
         "tls_ca_file": str(ca)},
 }  # fmt: skip
-
-
-def leaked(text: str, *passwords: str) -> list[str]:
-    """Each form of each password (raw, percent-encoded) found in ``text``."""
-    forms = {f for p in passwords for f in (p, quote(p, safe=""), quote(p))}
-    return sorted(f for f in forms if f in text)
-
-
-def inspect_cli(
-    tmp_path: Path, tier: dict[str, Any], *extra: str
-) -> subprocess.CompletedProcess[str]:
-    """``kvsdk inspect`` of a config whose slower tier is ``tier``, as a user runs it."""
-    cfg = tmp_path / "kvsdk.yaml"
-    cfg.write_text(yaml.safe_dump({"tiers": [{"backend": "cpu", "capacity": "1MiB"},
-                                             {"backend": "redis", **tier}]}))  # fmt: skip
-    return subprocess.run(
-        [sys.executable, "-m", "kvsdk.cli", "inspect", str(cfg), *extra],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
 
 
 @pytest.mark.parametrize("way", list(SECURE_WAYS))

@@ -464,14 +464,7 @@ def test_a_prompts_tail_is_stored_held_for_and_loaded_before_the_forward_pass(
         assert e.finished_returned == {"s": True}  # held: its tail's store reads the blocks
         assert e.holds("s") and e.free_blocks == NUM_BLOCKS - 1 - len(blocks)
         w.xfer.open()
-        for _ in range(3):  # stored, released, freed
-            so, _ = e.schedule()
-            out = w.step(so, e.scheduler)
-            e.output(
-                so,
-                worker_meta=out.kv_connector_worker_meta,
-                finished_sending=out.finished_sending,
-            )
+        w.run_steps(e, 3)  # stored, released, freed
         e.assert_empty()
         stored = {b: w.kv[LAYER_NAMES[0]][b].clone() for b in blocks}
         assert e.scheduler.reset_prefix_cache()  # vLLM's own cache: the hit is kvsdk's
@@ -492,14 +485,7 @@ def test_a_prompts_tail_is_stored_held_for_and_loaded_before_the_forward_pass(
             assert torch.equal(w.kv[LAYER_NAMES[0]][b_new], stored[b_old])
         w.side.submit_stores(meta)
         e.output(so, worker_meta=w.side.take_meta())
-        for _ in range(3):
-            so, _ = e.schedule()
-            out = w.step(so, e.scheduler)
-            e.output(
-                so,
-                worker_meta=out.kv_connector_worker_meta,
-                finished_sending=out.finished_sending,
-            )
+        w.run_steps(e, 3)
         e.assert_empty()
     finally:
         w.shutdown()
@@ -613,6 +599,17 @@ class Worker:
             finished_recving=recving or None,
             kv_connector_worker_meta=self.side.take_meta(),
         )
+
+    def run_steps(self, e: Engine, n: int) -> None:
+        """``n`` engine steps with this worker, each reporting what it reported."""
+        for _ in range(n):
+            so, _ = e.schedule()
+            out = self.step(so, e.scheduler)
+            e.output(
+                so,
+                worker_meta=out.kv_connector_worker_meta,
+                finished_sending=out.finished_sending,
+            )
 
     def shutdown(self) -> None:
         self.side.shutdown()
@@ -774,14 +771,7 @@ def test_a_hit_is_loaded_before_the_forward_pass_of_the_step_that_schedules_it(
     try:
         w.xfer.open()
         e.add("ab", prompt_tokens=3 * CHUNK + 5, max_tokens=1)
-        for _ in range(3):  # computed, stored, released
-            so, _ = e.schedule()
-            out = w.step(so, e.scheduler)
-            e.output(
-                so,
-                worker_meta=out.kv_connector_worker_meta,
-                finished_sending=out.finished_sending,
-            )
+        w.run_steps(e, 3)  # computed, stored, released
         e.assert_empty()
         stored = {b: w.kv[LAYER_NAMES[0]][b].clone() for b in range(1, 1 + 3 * CHUNK // BLOCK)}
         assert e.scheduler.reset_prefix_cache()  # vLLM's own cache: the hit is kvsdk's
