@@ -74,7 +74,6 @@ import contextlib
 import errno
 import logging
 import os
-import re
 import stat
 import threading
 import time
@@ -87,7 +86,11 @@ from itertools import count, pairwise
 from typing import Any, TypeVar
 
 from kvsdk.backend import Backend, Buffer, TierContext
+from kvsdk.backends import disk_inventory
 from kvsdk.backends.disk_files import (
+    ENTRY_RE,
+    OPEN_FLAGS,
+    SUFFIX,
     check_private_dir,
     check_top_dir,
     file_size,
@@ -107,7 +110,6 @@ from kvsdk.chunk_format import (
     as_payload,
     decode_chunk,
     encode_header,
-    parse_header,
 )
 from kvsdk.config import BYTES
 from kvsdk.eviction import EvictionPolicy, LRUPolicy
@@ -116,10 +118,7 @@ from kvsdk.types import ChunkKey, Locality, Medium
 
 log = logging.getLogger(__name__)
 
-SUFFIX = ".kvc"
-_ENTRY_RE = re.compile(r"^[0-9a-f]{32}\.kvc$")
 _TMP_PREFIX = ".tmp."
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 STALE_TMP_SECONDS = 3600.0
 """Temp files older than this are left-overs of a crashed writer; removed at start."""
 LOOK_STEP = 256
@@ -370,7 +369,7 @@ class DiskBackend(Backend):
                     if now - e.stat().st_mtime > STALE_TMP_SECONDS:
                         os.unlink(e.path)
                     continue
-                if not _ENTRY_RE.match(e.name) or not e.is_file(follow_symlinks=False):
+                if not ENTRY_RE.match(e.name) or not e.is_file(follow_symlinks=False):
                     continue
                 st = e.stat(follow_symlinks=False)
                 if not self._plausible_size(st.st_size):
@@ -663,7 +662,7 @@ class DiskBackend(Backend):
         caller's buffers, only if the caller still waits (``handoff.deliver``).
         Touches no index and takes no lock of the tier: it may block for good."""
         try:
-            fd = os.open(path, _OPEN_FLAGS)
+            fd = os.open(path, OPEN_FLAGS)
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # a symlink where a frame belongs: never followed
                 return _Read("rejected", "a symlink")
@@ -921,7 +920,7 @@ class DiskBackend(Backend):
                     self._forget_locked(key)
             for d in self._list_dirs():
                 try:
-                    names = [e.path for e in os.scandir(d) if _ENTRY_RE.match(e.name)]
+                    names = [e.path for e in os.scandir(d) if ENTRY_RE.match(e.name)]
                 except OSError:
                     continue
                 self._unlink_all(names)
@@ -985,51 +984,11 @@ class DiskBackend(Backend):
 
     @classmethod
     def inventory(cls, options: Any) -> list[dict[str, Any]]:
-        """Per namespace directory: its chunk files and bytes, and one header
-        read (format version, dtype, shape). Each namespace is walked on a
-        thread of its own within ``read_timeout`` (``TimeoutError`` past it)."""
-        root = os.path.abspath(options.path)
-        timeout = float(getattr(options, "read_timeout", 5.0))
-        reader = DeadlineReader(1, timeout, name="kvsdk-disk-inspect")
-
-        def ask(fn: Callable[[], _R], where: str) -> _R:
-            res = reader.run(lambda handoff: None if handoff.abandoned else fn())
-            if res is TIMED_OUT or res is STALLED:
-                raise TimeoutError(
-                    f"{where} did not answer within {timeout:.1f} s (read_timeout; a hung "
-                    "file system?)"
-                )
-            return res  # type: ignore[return-value]
-
-        try:
-            names = ask(partial(_namespace_dirs, root), root)
-            return [ask(partial(_inventory_row, root, name), os.path.join(root, name))
-                    for name in names]  # fmt: skip
-        finally:
-            reader.close()
+        return disk_inventory.inventory(options)
 
     @classmethod
     def wipe(cls, options: Any, namespace: str | None = None) -> int:
-        """Unlink every chunk file under ``path`` (or under its ``namespace``
-        directory); directories and anything not named like a chunk stay."""
-        root = os.path.abspath(options.path)
-        try:
-            dirs = [
-                e.path
-                for e in os.scandir(root)
-                if e.is_dir(follow_symlinks=False) and namespace in (None, e.name)
-            ]
-        except FileNotFoundError:
-            return 0
-        n = 0
-        for ns_dir in dirs:
-            for dirpath, _dirs, files in os.walk(ns_dir):
-                for name in files:
-                    if _ENTRY_RE.match(name):
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(os.path.join(dirpath, name))
-                            n += 1
-        return n
+        return disk_inventory.wipe(options, namespace)
 
     def __repr__(self) -> str:
         return f"DiskBackend({self._root!r}, capacity={self.options.capacity})"
@@ -1037,50 +996,6 @@ class DiskBackend(Backend):
 
 def _append(item: object, out: list[object]) -> None:
     out.append(item)
-
-
-def _namespace_dirs(root: str) -> list[str]:
-    try:
-        return sorted(e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=False))
-    except OSError:
-        return []
-
-
-def _inventory_row(root: str, name: str) -> dict[str, Any]:
-    """``inventory``'s row for namespace directory ``name``: its regular files
-    (temp files of writes in progress left out) and one header read from one."""
-    entries = size = 0
-    sample: str | None = None
-    for dirpath, _dirs, files in os.walk(os.path.join(root, name)):
-        for fname in files:
-            if fname.startswith("."):
-                continue  # temp files of writes in progress
-            path = os.path.join(dirpath, fname)
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                continue  # a symlink, FIFO, ...: not a chunk
-            size += st.st_size
-            entries += 1
-            sample = sample or path
-    row: dict[str, Any] = {"namespace": name, "entries": entries, "bytes": size}
-    if sample is not None:
-        try:
-            fd = os.open(sample, _OPEN_FLAGS)
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise CorruptChunk("not a regular file")
-                h = parse_header(os.read(fd, HEADER_SIZE), st.st_size - HEADER_SIZE)
-            finally:
-                os.close(fd)
-            row["format_version"] = h.version
-            row["dtype"], row["shape"] = h.dtype, list(h.shape)
-        except (OSError, CorruptChunk) as exc:
-            row["sample_error"] = str(exc)
-    return row
 
 
 @hookimpl

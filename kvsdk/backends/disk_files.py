@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from collections.abc import Sequence
 from typing import Any
 
+SUFFIX = ".kvc"
+ENTRY_RE = re.compile(r"^[0-9a-f]{32}\.kvc$")
+"""A chunk file's name: its key in hex."""
+OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+"""How a chunk file is opened: a planted symlink fails, a FIFO opens without blocking."""
 IOV_MAX = 1024
 """Most buffers one ``readv``/``writev`` call takes (Linux ``UIO_MAXIOV``)."""
 

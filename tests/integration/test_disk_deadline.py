@@ -375,6 +375,37 @@ def test_inventory_of_a_hung_file_system_is_an_error_within_its_deadline(
     assert row["entries"] == 3 and "sample_error" not in row
 
 
+@pytest.mark.parametrize("call", ["unlink", "scandir"])
+def test_a_wipe_of_a_hung_file_system_is_an_error_within_its_deadline(
+    tmp_path: Path, hang: Callable[..., Hang], call: str
+) -> None:
+    """``kvsdk clear --yes`` (``wipe``) answers within ``read_timeout`` or raises
+    ``TimeoutError`` naming the path; once the file system answers it removes
+    every chunk file."""
+    b = tier(tmp_path)
+    assert b.put([(key(i), payload(i)) for i in range(3)]) == [True] * 3
+    b.close()
+    opts = DiskOptions(path=str(tmp_path), read_timeout=TIMEOUT)
+    h = hang(call)
+    h.parts = {NS.hex()}
+
+    def ask() -> BaseException | None:
+        try:
+            DiskBackend.wipe(opts)
+        except TimeoutError as exc:
+            return exc
+        return None
+
+    err, took = within(TIMEOUT + 1.5, ask)
+    assert isinstance(err, TimeoutError) and "did not answer within 0.5 s" in str(err)
+    assert NS.hex() in str(err) and took >= TIMEOUT * 0.9
+    h.release()
+    time.sleep(0.05)
+    DiskBackend.wipe(opts)  # what the hung call left, if it had not finished by now
+    (row,) = DiskBackend.inventory(opts)
+    assert row["entries"] == 0
+
+
 def test_inventory_counts_only_regular_files_and_never_blocks_on_a_fifo(tmp_path: Path) -> None:
     b = tier(tmp_path)
     assert b.put([(key(1), payload(1))]) == [True]
