@@ -35,11 +35,14 @@ import hashlib
 import mmap
 import os
 import struct
+import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from kvsdk.prefault import start_prefault
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "kvsdk-"
@@ -151,9 +154,20 @@ class SharedSlab:
         self._unlink_at_exit = weakref.finalize(self, _unlink_quietly, path) if owner else None
         if fd is not None:
             weakref.finalize(self, os.close, fd)
+        self.prefaulting: threading.Thread | None = None
+        """The thread committing this mapping's pages (:mod:`kvsdk.prefault`), if any."""
+
+    def prefault(self) -> None:
+        """Commit the slab's pages in this process on a background thread, so no
+        store pays a page fault (the creator allocates them, each worker maps them)."""
+        if self.prefaulting is None:
+            addr = self.tensor.data_ptr() - HEADER_BYTES  # the mapping's start: page-aligned
+            self.prefaulting = start_prefault(addr, self.geometry.nbytes, self._mmap, self.name)
 
     @classmethod
-    def create(cls, name: str, geometry: SlabGeometry, *, shm_dir: Path = SHM_DIR) -> SharedSlab:
+    def create(
+        cls, name: str, geometry: SlabGeometry, *, shm_dir: Path = SHM_DIR, prefault: bool = False
+    ) -> SharedSlab:
         if not shm_dir.is_dir():
             raise SlabError(
                 f"kvsdk needs POSIX shared memory ({shm_dir}) for a host tier shared by the "
@@ -199,10 +213,13 @@ class SharedSlab:
             os.close(fd)
             _unlink_quietly(path)
             raise
-        return cls(name, path, mm, geometry, owner=True, fd=fd)
+        slab = cls(name, path, mm, geometry, owner=True, fd=fd)
+        if prefault:
+            slab.prefault()
+        return slab
 
     @classmethod
-    def attach(cls, name: str, *, shm_dir: Path = SHM_DIR) -> SharedSlab:
+    def attach(cls, name: str, *, shm_dir: Path = SHM_DIR, prefault: bool = False) -> SharedSlab:
         path = shm_dir / name
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
@@ -227,7 +244,10 @@ class SharedSlab:
             mm = mmap.mmap(fd, geometry.nbytes)
         finally:
             os.close(fd)
-        return cls(name, path, mm, geometry, owner=False)
+        slab = cls(name, path, mm, geometry, owner=False)
+        if prefault:
+            slab.prefault()
+        return slab
 
     def region(self, index: int) -> torch.Tensor:
         """Rank ``index``'s part of every slot: ``(num_slots, region_bytes)``, row stride a slot."""

@@ -82,7 +82,10 @@ class WorkerSide:
         """The transfer worker, bound to this rank's region of the engine's shared slab."""
         assert self.xfer is not None, "register_kv_caches first"
         if self._slab is None:
-            slab = SharedSlab.attach(self.layout.slab_name)
+            host = self.layout.config.tiers[0].options if self.layout.config.tiers else None
+            slab = SharedSlab.attach(
+                self.layout.slab_name, prefault=bool(getattr(host, "prefault", True))
+            )
             if slab.geometry.num_regions != self.layout.ranks.num_regions:
                 raise SlabError(
                     f"shared slab {slab.name} has {slab.geometry.num_regions} rank regions, "
