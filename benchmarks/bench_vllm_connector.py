@@ -185,9 +185,9 @@ class Engine:
                 "kv_role": "kv_both",
                 "kv_connector_module_path": PROBE_MODULE,
                 "kv_connector_extra_config": {
-                    "config": {
-                        **json.loads(args.kvsdk_config),
+                    "config": {  # --kvsdk-config's "tiers" replace the host tier
                         "tiers": [{"backend": "cpu", "capacity": capacity}],
+                        **json.loads(args.kvsdk_config),
                     }
                 },
             }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -101,6 +102,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
         configs=("none", *(c for c in args.configs.split(",") if c and c != "none")),
         repeats=args.repeats,
         progress=not args.no_progress,
+        kvsdk_config=json.loads(args.kvsdk_config),
     )
     print(bench_serve.format_report(result))
     print(f"\nJSON: {args.out}  plot: {Path(args.out).with_suffix('.png')}")
@@ -195,6 +197,12 @@ def kvsdk_register_commands(commands: CommandRegistry) -> None:
     )
     serve.add_argument(
         "--repeats", type=int, default=1, help="passes in both orders (1: each config twice)"
+    )
+    serve.add_argument(
+        "--kvsdk-config",
+        default="{}",
+        help="kvsdk config keys (JSON) over its defaults, e.g. "
+        '\'{"tiers": [{"backend": "cpu", "capacity": "1GiB", "prefault": false}]}\'',
     )
     serve.add_argument("--out", default="out/bench_serve.json")
     serve.add_argument("--model-dir", default="out/models/serve-llama")

@@ -100,7 +100,8 @@ def conversations(
     return out
 
 
-def engine(model: str, config: str) -> Any:
+def engine(model: str, config: str, kvsdk_config: dict[str, Any] | None = None) -> Any:
+    """``kvsdk_config``: keys over kvsdk's (``tiers`` replaces its host tier)."""
     use_cpu_engine_defaults(kv_cache_gib=1)
     from vllm import LLM
 
@@ -110,7 +111,10 @@ def engine(model: str, config: str) -> Any:
             "kv_connector": "KVSDKConnector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
-                "config": {"tiers": [{"backend": "cpu", "capacity": HOST_BYTES}]}
+                "config": {
+                    "tiers": [{"backend": "cpu", "capacity": HOST_BYTES}],
+                    **(kvsdk_config or {}),
+                }
             },
         }
     elif config == "native":  # its defaults (one block per offloaded block)
@@ -141,12 +145,19 @@ def engine(model: str, config: str) -> Any:
 
 
 def run_config(
-    model: str, config: str, reuses: list[float], users: int, rounds: int, seed: int, out: Path
+    model: str,
+    config: str,
+    reuses: list[float],
+    users: int,
+    rounds: int,
+    seed: int,
+    out: Path,
+    kvsdk_config: dict[str, Any] | None = None,
 ) -> None:
     """One engine configuration, every reuse rate (in this process)."""
     from kvsdk.plugins.vllm.workloads.stats_probe import shutdown
 
-    llm = engine(model, config)
+    llm = engine(model, config, kvsdk_config)
     try:
         results = _run_reuses(llm, config, reuses, users, rounds, seed)
         block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)
@@ -216,6 +227,7 @@ def run_bench(
     configs: tuple[str, ...] = CONFIGS,
     repeats: int = 1,
     progress: bool = True,
+    kvsdk_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``repeats`` times, every configuration in ``configs`` (``none`` first),
     then in reverse order; each configuration's figures are the mean over its
@@ -255,6 +267,8 @@ def run_bench(
                     str(seed),
                     "--worker-out",
                     str(path),
+                    "--kvsdk-config",
+                    json.dumps(kvsdk_config or {}),
                 ],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -301,6 +315,7 @@ def run_bench(
             "threads": threads,
             "passes": len(orders),
             "cpus": len(os.sched_getaffinity(0)),
+            "kvsdk_config": kvsdk_config or {},
         },
         "results": per_config,
         "over_none": ratios,
@@ -397,6 +412,7 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kvsdk-config", default="{}")
     args = ap.parse_args()
     if args.worker:
         run_config(
@@ -407,6 +423,7 @@ def main() -> None:
             args.rounds,
             args.seed,
             Path(args.worker_out),
+            json.loads(args.kvsdk_config),
         )
 
 
