@@ -21,10 +21,12 @@ goes, as before.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import threading
 import time
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +34,11 @@ MADV_POPULATE_WRITE = 23
 """``<linux/mman.h>``; Python's ``mmap`` module names it from 3.12 on."""
 STEP_BYTES = 64 << 20
 
-_libc: ctypes.CDLL | None = None
-
-
-def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    global _libc
+@functools.cache
+def _madvise() -> Any:
+    """libc's ``madvise`` (None where there is none to call)."""
     try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        fn = _libc.madvise
+        fn = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

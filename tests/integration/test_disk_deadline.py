@@ -340,6 +340,15 @@ def test_a_hung_directory_check_at_start_is_made_before_the_first_operation(
     fresh.close()
 
 
+def timeout_of(fn: Callable[[], Any]) -> TimeoutError | None:
+    """The ``TimeoutError`` ``fn()`` raised, or None if it returned."""
+    try:
+        fn()
+    except TimeoutError as exc:
+        return exc
+    return None
+
+
 # -- inventory (kvsdk inspect) ---------------------------------------------------------------
 
 
@@ -359,14 +368,7 @@ def test_inventory_of_a_hung_file_system_is_an_error_within_its_deadline(
     h = hang(call)
     h.parts = {NS.hex()} if call != "scandir" else {str(tmp_path)}
 
-    def ask() -> BaseException | None:
-        try:
-            DiskBackend.inventory(opts)
-        except TimeoutError as exc:
-            return exc
-        return None
-
-    err, took = within(TIMEOUT + 1.5, ask)
+    err, took = within(TIMEOUT + 1.5, lambda: timeout_of(lambda: DiskBackend.inventory(opts)))
     assert isinstance(err, TimeoutError) and "did not answer within 0.5 s" in str(err)
     assert str(tmp_path) in str(err) and took >= TIMEOUT * 0.9
     h.release()
@@ -389,14 +391,7 @@ def test_a_wipe_of_a_hung_file_system_is_an_error_within_its_deadline(
     h = hang(call)
     h.parts = {NS.hex()}
 
-    def ask() -> BaseException | None:
-        try:
-            DiskBackend.wipe(opts)
-        except TimeoutError as exc:
-            return exc
-        return None
-
-    err, took = within(TIMEOUT + 1.5, ask)
+    err, took = within(TIMEOUT + 1.5, lambda: timeout_of(lambda: DiskBackend.wipe(opts)))
     assert isinstance(err, TimeoutError) and "did not answer within 0.5 s" in str(err)
     assert NS.hex() in str(err) and took >= TIMEOUT * 0.9
     h.release()
