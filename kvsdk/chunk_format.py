@@ -1,19 +1,20 @@
 """The self-describing chunk frame that slow tiers (disk, Redis) store.
 
-A frame is a fixed 136-byte little-endian header followed by the raw payload::
+A frame is a fixed 152-byte little-endian header followed by the raw payload::
 
     offset size  field
          0    5  magic  b"KVSDK"
          5    2  format version (kvsdk.keys.FORMAT_VERSION)
-         7    1  checksum algorithm (1: xxh3-128, 2: BLAKE2b-128, 4: keyed BLAKE3-128)
+         7    1  checksum algorithm (1: xxh3-128, 2: BLAKE2b-128, 5: GMAC-128, one-time key)
          8    1  ndim (0..8)
          9    7  dtype code, ASCII, NUL-padded ("<f2", "|u1", "bf16", ...)
         16   16  namespace fingerprint
         32   16  chunk key
         48   64  shape: 8 x uint64 (unused dims are 0)
        112    8  payload length in bytes
-       120   16  checksum of header bytes [0, 120) + payload
-       136    -  payload
+       120   16  nonce: random for a MAC'd frame, zero otherwise
+       136   16  checksum of header bytes [0, 136) + payload
+       152    -  payload
 
 Everything read back is untrusted: :func:`decode_chunk` checks every field
 against the caller's expectations and the actual buffer, allocates nothing
@@ -27,35 +28,49 @@ cannot verify xxh3 frames: it gets :class:`UnverifiableChunk`, a miss that
 must not delete the entry (another process wrote it and can read it).
 
 Authenticated frames: with a deployment secret (:mod:`kvsdk.trust`) the
-writer passes ``mac_key`` and the checksum field holds a keyed BLAKE3 tag
-(BLAKE3's keyed mode is a PRF/MAC; 128 bits of output) over the same bytes,
-so only a holder of the secret can make a frame that verifies. A reader with
-``mac_key`` accepts MAC'd frames only: an unkeyed frame in its namespace was
-planted (or written by a process started without the secret) and is
-:class:`CorruptChunk`. A reader without a key cannot check a MAC'd frame:
-:class:`UnverifiableChunk`. Keyed BLAKE3 rather than HMAC-SHA256 (format
-version 3): on a 2 MiB chunk it measured ~9 GiB/s against HMAC-SHA256's
-~1.9 GiB/s with the SHA extensions (``benchmarks/bench_frame_mac.py``), which
-is what the MAC costs on every disk and Redis read and write. It runs on the
-one thread that frames or verifies (BLAKE3's default ``max_threads=1``): with
-``max_threads=AUTO`` (a thread per core) it measured slower at every size from
-64 KiB to 8 MiB on a shared 2-core machine (``bench_frame_mac.py
---crossover``), and in an engine that uses every core its threads would
-compete with the engine's.
+writer passes ``mac_key`` (the namespace's frame key) and the checksum field
+holds a Carter-Wegman MAC, so only a holder of the secret can make a frame
+that verifies:
+
+- the writer draws a random 16-byte nonce (in the header);
+- a one-time AES-256 key is keyed BLAKE2b of the header [0, 136) (nonce,
+  namespace, chunk key, dtype, shape, length) under the frame key: a PRF, so
+  every frame has an independent key that nobody without the secret can
+  compute, and a header changed in any bit has another key;
+- the tag is AES-GMAC of the payload under that key (GCM with an empty
+  plaintext, the payload as associated data, a zero IV: each key is used
+  once, for one payload, so GCM's nonce rule holds and GHASH's key is never
+  seen twice). A one-time GMAC forges with probability about
+  (payload bytes / 16) / 2^128.
+
+A reader with ``mac_key`` accepts MAC'd frames only: an unkeyed frame in its
+namespace was planted (or written by a process started without the secret)
+and is :class:`CorruptChunk`. A reader without a key cannot check a MAC'd
+frame: :class:`UnverifiableChunk`.
+
+Why GMAC (format version 5): on a 2 MiB chunk, with AES-NI and carry-less
+multiply (VAES/VPCLMULQDQ on x86, the crypto extensions on ARM), OpenSSL's
+GMAC runs at the speed of the unkeyed xxh3-128 checksum (~30 GiB/s on one
+core here), where the keyed BLAKE3 of format version 4 ran at ~6-9 GiB/s and
+HMAC-SHA256 (version 3) at ~1.9 GiB/s (``benchmarks/bench_frame_mac.py``):
+the MAC is on every disk and Redis read and write. It runs on the calling
+thread; OpenSSL releases the GIL while it hashes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import blake3
 import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvsdk.backend import BackendError
 from kvsdk.keys import FORMAT_VERSION, KEY_BYTES
@@ -71,14 +86,18 @@ MAX_NDIM = 8
 FP_BYTES = 16
 CHECKSUM_XXH3_128 = 1
 CHECKSUM_BLAKE2B_128 = 2
-CHECKSUM_BLAKE3_MAC_128 = 4
-"""Keyed BLAKE3, 128-bit tag (3 was HMAC-SHA256-128, format version 3; never written now)."""
+CHECKSUM_GMAC_128 = 5
+"""GMAC under a one-time AES-256 key (see the module docstring). Retired codes, never
+accepted: 3 (HMAC-SHA256-128, format version 3), 4 (keyed BLAKE3-128, format version 4)."""
 MAC_KEY_BYTES = 32
+NONCE_BYTES = 16
+_GMAC_PERSON = b"kvsdk-gmac-key"
+_ZERO_IV = bytes(12)
 
-_HEADER = struct.Struct("<5sHBB7s16s16s8QQ16s")
+_HEADER = struct.Struct("<5sHBB7s16s16s8QQ16s16s")
 HEADER_SIZE = _HEADER.size
 _CHECKED_PREFIX = HEADER_SIZE - 16  # the checksum covers the header up to itself
-assert HEADER_SIZE == 136
+assert HEADER_SIZE == 152
 
 _NUMERIC_DTYPE = re.compile(r"^[<>|=]?([biufc])(1|2|4|8|16)$")
 _NAMED_DTYPES = {"bf16": 2, "f8e4m3": 1, "f8e5m2": 1}
@@ -101,36 +120,45 @@ class _Hasher(Protocol):
     def digest(self) -> bytes: ...
 
 
-class _Blake3Mac:
-    """Keyed BLAKE3 with a 16-byte digest (the header's checksum field)."""
+def gmac_tag(mac_key: bytes, prefix: bytes | memoryview, parts: Sequence[memoryview]) -> bytes:
+    """The 16-byte tag of a MAC'd frame: AES-256-GMAC of the payload ``parts``
+    (in order) under the one-time key that ``mac_key`` derives from the header
+    ``prefix`` (bytes [0, 136): nonce included)."""
+    if len(mac_key) != MAC_KEY_BYTES:
+        raise ValueError(f"frame MAC key must be {MAC_KEY_BYTES} bytes")
+    one_time = hashlib.blake2b(prefix, digest_size=32, key=mac_key, person=_GMAC_PERSON).digest()
+    if len(parts) == 1:  # one call into OpenSSL
+        return AESGCM(one_time).encrypt(_ZERO_IV, b"", parts[0])
+    gmac = Cipher(algorithms.AES(one_time), modes.GCM(_ZERO_IV)).encryptor()
+    for part in parts:
+        gmac.authenticate_additional_data(part)
+    gmac.finalize()
+    return gmac.tag
 
-    def __init__(self, key: bytes) -> None:
-        if len(key) != MAC_KEY_BYTES:
-            raise ValueError(f"frame MAC key must be {MAC_KEY_BYTES} bytes")
-        self._mac = blake3.blake3(key=key)
 
-    def update(self, data: Any, /) -> None:
-        self._mac.update(data)
-
-    def digest(self) -> bytes:
-        return self._mac.digest(16)
-
-
-def _hasher(algorithm: int, mac_key: bytes | None = None) -> _Hasher:
-    if algorithm == CHECKSUM_BLAKE3_MAC_128:
+def _checksum(
+    algorithm: int, mac_key: bytes | None, prefix: bytes | memoryview, parts: Sequence[memoryview]
+) -> bytes:
+    """The checksum field for ``prefix`` (the header up to it) and the payload ``parts``."""
+    if algorithm == CHECKSUM_GMAC_128:
         if mac_key is None:
             raise UnverifiableChunk("authenticated frame but this process has no deployment secret")
-        return _Blake3Mac(mac_key)
+        return gmac_tag(mac_key, prefix, parts)
     if mac_key is not None:
         raise CorruptChunk("unauthenticated frame where a deployment secret is set")
+    h: _Hasher
     if algorithm == CHECKSUM_XXH3_128:
         if _xxhash is None:
             raise UnverifiableChunk("xxh3-128 checksum but the xxhash package is not installed")
-        h: _Hasher = _xxhash.xxh3_128()
-        return h
-    if algorithm == CHECKSUM_BLAKE2B_128:
-        return hashlib.blake2b(digest_size=16)
-    raise CorruptChunk(f"unknown checksum algorithm {algorithm}")
+        h = _xxhash.xxh3_128()
+    elif algorithm == CHECKSUM_BLAKE2B_128:
+        h = hashlib.blake2b(digest_size=16)
+    else:
+        raise CorruptChunk(f"unknown checksum algorithm {algorithm}")
+    h.update(prefix)
+    for part in parts:
+        h.update(part)
+    return h.digest()
 
 
 DEFAULT_CHECKSUM = CHECKSUM_XXH3_128 if _xxhash is not None else CHECKSUM_BLAKE2B_128
@@ -192,9 +220,11 @@ def encode_header(
     payload (scatter/gather I/O: a page that lies in several regions of host
     memory); the checksum is computed over the parts in order, no copy.
     With ``mac_key`` (the namespace's frame key, :mod:`kvsdk.trust`) the
-    checksum is a keyed BLAKE3 tag and ``checksum`` is ignored."""
+    checksum is a GMAC tag under a fresh nonce and ``checksum`` is ignored."""
+    nonce = bytes(NONCE_BYTES)
     if mac_key is not None:
-        checksum = CHECKSUM_BLAKE3_MAC_128
+        checksum = CHECKSUM_GMAC_128
+        nonce = os.urandom(NONCE_BYTES)
     parts = _parts(payload)
     nbytes = sum(p.nbytes for p in parts)
     if len(namespace_fp) != FP_BYTES or len(key) != KEY_BYTES:
@@ -210,13 +240,9 @@ def encode_header(
     dims = [*shape, *([0] * (MAX_NDIM - len(shape)))]
     prefix = _HEADER.pack(
         MAGIC, FORMAT_VERSION, checksum, len(shape), dtype.encode("ascii"),
-        namespace_fp, key, *dims, nbytes, bytes(16),
+        namespace_fp, key, *dims, nbytes, nonce, bytes(16),
     )[:_CHECKED_PREFIX]  # fmt: skip
-    h = _hasher(checksum, mac_key)
-    h.update(prefix)
-    for part in parts:
-        h.update(part)
-    return prefix + h.digest()
+    return prefix + _checksum(checksum, mac_key, prefix, parts)
 
 
 def _parts(payload: memoryview | Sequence[memoryview]) -> Sequence[memoryview]:
@@ -271,7 +297,7 @@ def parse_header(buf: Any, payload_nbytes: int | None = None) -> ChunkHeader:
             f"truncated: {len(mv)} bytes, shorter than the {HEADER_SIZE}-byte header"
         )
     magic, version, algorithm, ndim, raw_dtype, ns, key, *rest = _HEADER.unpack_from(mv)
-    dims, length, checksum = rest[:MAX_NDIM], rest[MAX_NDIM], rest[MAX_NDIM + 1]
+    dims, length, checksum = rest[:MAX_NDIM], rest[MAX_NDIM], rest[MAX_NDIM + 2]
     if magic != MAGIC:
         raise CorruptChunk("bad magic")
     if version != FORMAT_VERSION:
@@ -309,11 +335,8 @@ def _check(
         raise CorruptChunk("foreign namespace")
     if header.key != key:
         raise CorruptChunk("key mismatch")
-    h = _hasher(header.checksum_algorithm, mac_key)
-    h.update(header_buf[:_CHECKED_PREFIX])
-    for part in payload:
-        h.update(part)
-    if not hmac.compare_digest(h.digest(), header.checksum):
+    expected = _checksum(header.checksum_algorithm, mac_key, header_buf[:_CHECKED_PREFIX], payload)
+    if not hmac.compare_digest(expected, header.checksum):
         raise CorruptChunk("MAC mismatch" if mac_key is not None else "checksum mismatch")
 
 

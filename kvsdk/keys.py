@@ -40,7 +40,7 @@ from kvsdk.types import ChunkKey
 if TYPE_CHECKING:
     from kvsdk.trust import DeploymentSecret
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 """Bump when the meaning of stored bytes changes: old entries become misses."""
 
 KEY_BYTES = 16

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -201,30 +203,63 @@ def test_any_payload_round_trips(payload: bytes, algorithm: int) -> None:
     assert bytes(decode_chunk(buf, namespace_fp=NS, key=KEY)) == payload
 
 
-# BLAKE3's official test vector (test_vectors.json in the BLAKE3 repository):
-# keyed_hash of the empty input under this 32-byte key, first 16 bytes.
-_BLAKE3_KEY = b"whats the Elvish word for friend"
-_BLAKE3_KEYED_EMPTY_128 = "92b2b75604ed3c761f9d6f62392c8a92"
+# The GCM specification's Test Case 13 (McGrew and Viega, "The Galois/Counter
+# Mode of Operation"): AES-256, all-zero key and IV, nothing to encrypt or
+# authenticate: the tag.
+_GCM_TC13_TAG = "530f8afbc74536b9a963b4f1c4cb738b"
+_MAC_KEY = b"whats the Elvish word for friend"
 
 
-def test_frame_mac_is_keyed_blake3_per_its_published_vector() -> None:
-    """The MAC a secret puts in a frame is BLAKE3's keyed mode (not a look-alike):
-    the spec's known answer, and a frame's tag equals keyed BLAKE3 of exactly
-    the header up to the tag plus the payload."""
-    mac = cf._hasher(cf.CHECKSUM_BLAKE3_MAC_128, _BLAKE3_KEY)
-    assert mac.digest().hex() == _BLAKE3_KEYED_EMPTY_128
-    buf = frame(b"kv payload", mac_key=_BLAKE3_KEY)
+def test_frame_mac_is_gmac_under_a_one_time_key() -> None:
+    """The MAC a secret puts in a frame is AES-256-GMAC (not a look-alike: the
+    GCM spec's known answer) of exactly the payload, under the key that keyed
+    BLAKE2b derives from exactly the header up to the tag (nonce included)."""
+    assert AESGCM(bytes(32)).encrypt(bytes(12), b"", None).hex() == _GCM_TC13_TAG
+    buf = frame(b"kv payload", mac_key=_MAC_KEY)
     header = parse_header(buf)
-    assert header.checksum_algorithm == cf.CHECKSUM_BLAKE3_MAC_128
-    mac = cf._hasher(cf.CHECKSUM_BLAKE3_MAC_128, _BLAKE3_KEY)
-    mac.update(buf[: HEADER_SIZE - 16])
-    mac.update(b"kv payload")
-    assert header.checksum == mac.digest()
+    assert header.checksum_algorithm == cf.CHECKSUM_GMAC_128
+    one_time = hashlib.blake2b(
+        buf[: HEADER_SIZE - 16], digest_size=32, key=_MAC_KEY, person=b"kvsdk-gmac-key"
+    ).digest()
+    assert header.checksum == AESGCM(one_time).encrypt(bytes(12), b"", b"kv payload")
+
+
+def test_every_macd_frame_has_its_own_nonce_and_key() -> None:
+    """Two frames of the same payload and key differ in nonce and tag (a
+    one-time key is never reused), both verify; unkeyed frames stay deterministic."""
+    a, b = frame(b"kv", mac_key=_MAC_KEY), frame(b"kv", mac_key=_MAC_KEY)
+    assert a[120:136] != b[120:136] and a[136:152] != b[136:152]
+    for buf in (a, b):
+        assert bytes(decode_chunk(buf, namespace_fp=NS, key=KEY, mac_key=_MAC_KEY)) == b"kv"
+    assert frame(b"kv") == frame(b"kv") and frame(b"kv")[120:136] == bytes(16)
+
+
+def test_a_macd_frame_with_any_header_bit_flipped_fails() -> None:
+    """The header reaches the tag through the one-time key: a flipped bit in
+    the nonce, the dtype or the length field is a MAC mismatch or a structural error."""
+    buf = frame(b"kv payload", mac_key=_MAC_KEY)
+    for offset in (9, 120, 135):
+        bad = bytearray(buf)
+        bad[offset] ^= 0x01
+        with pytest.raises(CorruptChunk):
+            decode_chunk(bad, namespace_fp=NS, key=KEY, mac_key=_MAC_KEY)
+
+
+def test_a_macd_frame_verifies_from_parts_split_anywhere() -> None:
+    payload = bytes(range(256)) * 40
+    header = cf.encode_header(
+        NS, KEY, memoryview(payload), "|u1", (len(payload),), mac_key=_MAC_KEY
+    )
+    for cuts in ((1,), (17, 4000), (16, 32, 10239)):
+        edges = (0, *cuts, len(payload))
+        parts = [memoryview(payload)[a:b] for a, b in itertools.pairwise(edges)]
+        cf.verify_chunk(header, parts, namespace_fp=NS, key=KEY, mac_key=_MAC_KEY)
 
 
 def test_retired_hmac_code_is_corrupt_under_a_secret() -> None:
-    """Code 3 (HMAC-SHA256, format version 3) is never accepted in this format."""
-    buf = bytearray(frame(b"kv", mac_key=_BLAKE3_KEY))
-    buf[7] = 3
-    with pytest.raises(CorruptChunk):
-        decode_chunk(buf, namespace_fp=NS, key=KEY, mac_key=_BLAKE3_KEY)
+    """Codes 3 (HMAC-SHA256) and 4 (keyed BLAKE3) are never accepted in this format."""
+    for code in (3, 4):
+        buf = bytearray(frame(b"kv", mac_key=_MAC_KEY))
+        buf[7] = code
+        with pytest.raises(CorruptChunk):
+            decode_chunk(buf, namespace_fp=NS, key=KEY, mac_key=_MAC_KEY)

@@ -102,13 +102,14 @@ def test_keys_are_pinned_to_known_values() -> None:
     ns = Namespace("m", "float16", (GroupLayout((2, 16, 64), "float16"),), 16)
     hashes = token_chunk_hashes(list(range(32)), 16)
     keys = chunk_keys(ns.fingerprint, hashes, 0)
-    assert FORMAT_VERSION == 4
+    assert FORMAT_VERSION == 5
     assert [k.hex() for k in keys] == _GOLDEN_KEYS
 
 
-# FORMAT_VERSION 4 (frame MAC: keyed BLAKE3); version 3 gave
+# FORMAT_VERSION 5 (frame nonce, MAC: one-time-key GMAC); version 4 (keyed BLAKE3) gave
+# ["b1ff454a1d453ce2449c3cf9d2bb6ee5", "65c180a94605255d364f5d56dac388ba"], version 3
 # ["34b9c9eb394a26702eb0d1e54b3c0e7e", "57412564875a6ef58a0a187c7741a232"]
-_GOLDEN_KEYS = ["b1ff454a1d453ce2449c3cf9d2bb6ee5", "65c180a94605255d364f5d56dac388ba"]
+_GOLDEN_KEYS = ["2daf35b667db07f51ebe60d4c42052c8", "21f7a1aabf10f493ed66f61993cfaabf"]
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import pytest
 
 from kvsdk import trust
 from kvsdk.chunk_format import (
-    CHECKSUM_BLAKE3_MAC_128,
+    CHECKSUM_GMAC_128,
     HEADER_SIZE,
     CorruptChunk,
     UnverifiableChunk,
@@ -34,7 +34,7 @@ SECRET_TEXT = "s3cret-value-0123456789abcdef"
 
 def test_macd_frame_round_trips_with_its_key() -> None:
     buf = encode_chunk(NS, KEY, b"kv bytes", mac_key=MAC)
-    assert parse_header(buf).checksum_algorithm == CHECKSUM_BLAKE3_MAC_128
+    assert parse_header(buf).checksum_algorithm == CHECKSUM_GMAC_128
     assert bytes(decode_chunk(buf, namespace_fp=NS, key=KEY, mac_key=MAC)) == b"kv bytes"
 
 
