@@ -75,6 +75,11 @@ class JobLedger:
     def job(self, job_id: JobId) -> Job:
         return self._jobs[job_id]
 
+    def owners(self, job_ids: Iterable[JobId]) -> list[ReqKey]:
+        """The request of each job (``job(j).req_id`` of each, in one call)."""
+        jobs = self._jobs
+        return [jobs[j].req_id for j in job_ids]
+
     @property
     def num_jobs(self) -> int:
         return len(self._jobs)

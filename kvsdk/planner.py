@@ -132,11 +132,12 @@ class LookupPlanner:
     ) -> Plan | None:
         """``lookup_run`` (optional, same answers as ``lookup``) lets plain
         full-attention models scan each group's prefix in one call."""
-        memo = _Memo(lookup)  # shared by the scans below: each key is asked once
+        memo: _Memo | None = None  # shared by the scans below: each key is asked once
         computed = req.num_computed_tokens
         if lookup_run is not None and self._prefix_only:
             complete = self._prefix_end(req, lookup_run, max_num_new_tokens)
         else:
+            memo = _Memo(lookup)
             complete = self._complete_chunks_end(req, memo, max_num_new_tokens)
         if complete is None:
             return None
@@ -144,6 +145,8 @@ class LookupPlanner:
         if complete and being_loaded is not None and self._any_being_loaded(req, end, being_loaded):
             return None
         if self.partial_tail_block_tokens and req.boundary_key is not None:
+            if memo is None:
+                memo = _Memo(lookup)
             tail, pending = self._partial_tail(req, memo, end, max_num_new_tokens)
             if tail is not None:
                 return tail

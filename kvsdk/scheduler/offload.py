@@ -523,6 +523,11 @@ class OffloadScheduler:
         key = self.ledger.job(job_id).req_id
         return key if isinstance(key, str) else key[0]
 
+    def job_requests(self, jobs: Iterable[TransferJob]) -> list[ReqId]:
+        """``job_request`` of each job, in one call."""
+        keys = self.ledger.owners(j.job_id for j in jobs)
+        return [k if isinstance(k, str) else k[0] for k in keys]
+
     def has_pending_work(self) -> bool:
         return (
             self.ledger.num_jobs > 0

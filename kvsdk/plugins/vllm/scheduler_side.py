@@ -254,8 +254,15 @@ class SchedulerSide:
             # nothing to compute but tier I/O (lookups waiting on a promotion,
             # writes draining): sleep on it briefly rather than spin empty steps
             self.store.wait_io(IDLE_IO_WAIT_SECONDS)
-        job_request = self.core.job_request
-        loads = {j.job_id: (job_request(j.job_id), j) for j in jobs.loads}
+        job_requests = self.core.job_requests
+        loads = (
+            {
+                j.job_id: (rid, j)
+                for rid, j in zip(job_requests(jobs.loads), jobs.loads, strict=True)
+            }
+            if jobs.loads
+            else {}
+        )
         release: frozenset[str] = frozenset()
         if self._held and finished:
             # their last stores are in this step
@@ -265,7 +272,7 @@ class SchedulerSide:
         return KVSDKConnectorMetadata(
             loads=loads,
             stores=list(jobs.stores),
-            store_requests=[job_request(j.job_id) for j in jobs.stores],
+            store_requests=job_requests(jobs.stores) if jobs.stores else [],
             flush=jobs.flush,
             sync_loads=self.sync_loads,
             release=release,
