@@ -268,3 +268,21 @@ def test_suffixed_engine_hashes_get_distinct_keys() -> None:
     fp = _namespace().fingerprint
     base = ("ab" * 32).encode()
     assert chunk_key(fp, base + b"_k", 0) != chunk_key(fp, base + b"_v", 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=300),
+    tpc=st.integers(1, 40),
+)
+def test_token_lists_hash_like_int64_arrays(tokens: list[int], tpc: int) -> None:
+    """Lists and tuples take a path without numpy (the scheduler hashes a prompt
+    tail per request): the same little-endian int64 bytes, the same chain."""
+    want = token_chunk_hashes(np.array(tokens, dtype=np.int64), tpc, extra=b"salt")
+    assert token_chunk_hashes(tokens, tpc, extra=b"salt") == want
+    assert token_chunk_hashes(tuple(tokens), tpc, extra=b"salt") == want
+    # what numpy converts, e.g. floats, still hashes as numpy's int64 of it
+    floats = [float(t % 1000) + 0.5 for t in tokens]
+    assert token_chunk_hashes(floats, tpc) == token_chunk_hashes(np.asarray(floats, "<i8"), tpc)
+    with pytest.raises(OverflowError):
+        token_chunk_hashes([2**63], 1)
