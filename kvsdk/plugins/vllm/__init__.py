@@ -13,7 +13,9 @@ first, before it parses its command line. :func:`register` then hooks
 ``KVTransferConfig``'s validation, so a transfer config that names kvsdk is
 checked the moment vLLM builds it, before any engine process starts: the vLLM
 version (:data:`SUPPORTED_VLLM`) and kvsdk's own config (a typo, a missing
-file, a size without a unit). A problem is one :class:`~kvsdk.config.ConfigError`
+file, a size without a unit). It hooks ``VllmConfig``'s validation the same
+way for what needs the model: a model kvsdk does not support on this
+platform (:func:`engine_problem`) is refused before any weight is loaded. A problem is one :class:`~kvsdk.config.ConfigError`
 sentence; when the config came from the command line (``vllm serve``,
 ``python -m vllm.entrypoints.openai.api_server``) it is logged as one ERROR
 line and the process exits with status 2, as argparse does for a bad flag,
@@ -110,25 +112,66 @@ def check_transfer_config(ktc: Any) -> None:
     load_vllm_config(extra.get("config"))
 
 
+MLA_ON_CPU = (
+    "MLA models on vLLM-CPU are not supported by kvsdk: vLLM-CPU turns prefix caching off "
+    "for them, and its outputs after a load did not match recomputation"
+)
+
+
+def engine_problem(vllm_config: Any) -> str | None:
+    """The sentence refusing the engine ``vllm_config`` describes (model and
+    platform), or None when kvsdk supports it."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is None or getattr(model_config, "is_submodel_config", False):
+        return None
+    if getattr(model_config, "use_mla", False):
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            return MLA_ON_CPU
+    return None
+
+
 def _from_command_line() -> bool:
     return any(a.startswith("--kv-transfer-config") for a in sys.argv[1:])
 
 
 def _check_transfer_configs() -> None:
-    """Run :func:`check_transfer_config` whenever vLLM validates a ``KVTransferConfig``
-    (its ``__post_init__``, which pydantic calls on every construction)."""
+    """Run :func:`check_transfer_config` whenever vLLM validates a ``KVTransferConfig``,
+    and :func:`engine_problem` whenever it validates a ``VllmConfig`` naming kvsdk."""
     try:
         from vllm.config.kv_transfer import KVTransferConfig
     except ImportError:  # another vLLM's layout: the connector refuses it at start-up
         return
-    original = KVTransferConfig.__post_init__
+    _after_post_init(KVTransferConfig, check_transfer_config)
+    try:
+        from vllm.config import VllmConfig
+    except ImportError:  # pragma: no cover - another vLLM's layout (refused above)
+        return
+    _after_post_init(VllmConfig, _check_engine_config)
+
+
+def _check_engine_config(vllm_config: Any) -> None:
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    if ktc is None or not _names_kvsdk(ktc):
+        return
+    problem = engine_problem(vllm_config)
+    if problem:
+        raise ConfigError(problem)
+
+
+def _after_post_init(cls: Any, check: Any) -> None:
+    """Run ``check(instance)`` after ``cls.__post_init__`` (which pydantic calls on
+    every construction); a :class:`ConfigError` from the command line is one
+    ERROR line and exit status 2."""
+    original = cls.__post_init__
     if getattr(original, "_kvsdk_checked", False):
         return
 
     def __post_init__(self: Any) -> None:
         original(self)
         try:
-            check_transfer_config(self)
+            check(self)
         except ConfigError as exc:
             if not _from_command_line():
                 raise
@@ -139,7 +182,7 @@ def _check_transfer_configs() -> None:
             raise SystemExit(2) from None
 
     __post_init__._kvsdk_checked = True  # type: ignore[attr-defined]
-    KVTransferConfig.__post_init__ = __post_init__  # type: ignore[method-assign]
+    cls.__post_init__ = __post_init__
 
 
 def __getattr__(name: str) -> Any:

