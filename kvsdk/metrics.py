@@ -57,6 +57,16 @@ class Histogram:
         self.total += value
         self.n += 1
 
+    def observe_many(self, values: Iterable[float]) -> None:
+        """``observe`` of each value, without a call per value."""
+        where, buckets, counts = bisect.bisect_left, self.buckets, self.counts
+        n, total = self.n, self.total
+        for v in values:
+            counts[where(buckets, v)] += 1
+            total += v
+            n += 1
+        self.n, self.total = n, total
+
 
 def _labels(labels: dict[str, Any]) -> Labels:
     return tuple(sorted((k, str(v)) for k, v in labels.items()))
@@ -181,16 +191,10 @@ class BoundHistogram:
             m.version += 1
 
     def observe_many(self, values: Iterable[float]) -> None:
-        """``observe`` of each value, under one lock and without a call per value."""
-        m, h = self._metrics, self._hist
-        where, buckets, counts = bisect.bisect_left, h.buckets, h.counts
+        """``observe`` of each value, under one lock."""
+        m = self._metrics
         with m._lock:
-            n, total = h.n, h.total
-            for v in values:
-                counts[where(buckets, v)] += 1
-                total += v
-                n += 1
-            h.n, h.total = n, total
+            self._hist.observe_many(values)
             m.version += 1
 
 

@@ -15,8 +15,9 @@ checked the moment vLLM builds it, before any engine process starts: the vLLM
 version (:data:`SUPPORTED_VLLM`) and kvsdk's own config (a typo, a missing
 file, a size without a unit). It hooks ``VllmConfig``'s validation the same
 way for what needs the model: a model kvsdk does not support on this
-platform (:func:`engine_problem`) is refused before any weight is loaded. A problem is one :class:`~kvsdk.config.ConfigError`
-sentence; when the config came from the command line (``vllm serve``,
+platform (:func:`engine_problem`) is refused before any weight is loaded.
+A problem is one :class:`~kvsdk.config.ConfigError` sentence; when the
+config came from the command line (``vllm serve``,
 ``python -m vllm.entrypoints.openai.api_server``) it is logged as one ERROR
 line and the process exits with status 2, as argparse does for a bad flag,
 instead of a traceback. ``vllm.LLM(...)`` and other Python callers get the

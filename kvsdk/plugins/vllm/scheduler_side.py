@@ -255,14 +255,9 @@ class SchedulerSide:
             # writes draining): sleep on it briefly rather than spin empty steps
             self.store.wait_io(IDLE_IO_WAIT_SECONDS)
         job_requests = self.core.job_requests
-        loads = (
-            {
-                j.job_id: (rid, j)
-                for rid, j in zip(job_requests(jobs.loads), jobs.loads, strict=True)
-            }
-            if jobs.loads
-            else {}
-        )
+        loads = {
+            j.job_id: (rid, j) for rid, j in zip(job_requests(jobs.loads), jobs.loads, strict=True)
+        }
         release: frozenset[str] = frozenset()
         if self._held and finished:
             # their last stores are in this step
@@ -272,7 +267,7 @@ class SchedulerSide:
         return KVSDKConnectorMetadata(
             loads=loads,
             stores=list(jobs.stores),
-            store_requests=job_requests(jobs.stores) if jobs.stores else [],
+            store_requests=job_requests(jobs.stores),
             flush=jobs.flush,
             sync_loads=self.sync_loads,
             release=release,
