@@ -126,24 +126,53 @@ def gmac_tag(mac_key: bytes, prefix: bytes | memoryview, parts: Sequence[memoryv
     ``prefix`` (bytes [0, 136): nonce included)."""
     if len(mac_key) != MAC_KEY_BYTES:
         raise ValueError(f"frame MAC key must be {MAC_KEY_BYTES} bytes")
-    one_time = hashlib.blake2b(prefix, digest_size=32, key=mac_key, person=_GMAC_PERSON).digest()
     if len(parts) == 1:  # one call into OpenSSL
-        return AESGCM(one_time).encrypt(_ZERO_IV, b"", parts[0])
-    gmac = Cipher(algorithms.AES(one_time), modes.GCM(_ZERO_IV)).encryptor()
+        return AESGCM(_one_time_key(mac_key, prefix)).encrypt(_ZERO_IV, b"", parts[0])
+    gmac = _Gmac(mac_key, prefix)
     for part in parts:
-        gmac.authenticate_additional_data(part)
-    gmac.finalize()
-    return gmac.tag
+        gmac.update(part)
+    return gmac.digest()
+
+
+def _one_time_key(mac_key: bytes, prefix: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(prefix, digest_size=32, key=mac_key, person=_GMAC_PERSON).digest()
+
+
+class _Gmac:
+    """:func:`gmac_tag` fed in pieces (the payload's parts, or a file's reads)."""
+
+    def __init__(self, mac_key: bytes, prefix: bytes | memoryview) -> None:
+        if len(mac_key) != MAC_KEY_BYTES:
+            raise ValueError(f"frame MAC key must be {MAC_KEY_BYTES} bytes")
+        key = _one_time_key(mac_key, prefix)
+        self._ctx = Cipher(algorithms.AES(key), modes.GCM(_ZERO_IV)).encryptor()
+
+    def update(self, data: Any, /) -> None:
+        self._ctx.authenticate_additional_data(data)
+
+    def digest(self) -> bytes:
+        self._ctx.finalize()
+        return self._ctx.tag
 
 
 def _checksum(
     algorithm: int, mac_key: bytes | None, prefix: bytes | memoryview, parts: Sequence[memoryview]
 ) -> bytes:
     """The checksum field for ``prefix`` (the header up to it) and the payload ``parts``."""
+    if algorithm == CHECKSUM_GMAC_128 and mac_key is not None:
+        return gmac_tag(mac_key, prefix, parts)
+    h = _payload_hasher(algorithm, mac_key, prefix)
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+def _payload_hasher(algorithm: int, mac_key: bytes | None, prefix: bytes | memoryview) -> _Hasher:
+    """The checksum (or MAC) of a frame with header ``prefix``, ready for its payload."""
     if algorithm == CHECKSUM_GMAC_128:
         if mac_key is None:
             raise UnverifiableChunk("authenticated frame but this process has no deployment secret")
-        return gmac_tag(mac_key, prefix, parts)
+        return _Gmac(mac_key, prefix)
     if mac_key is not None:
         raise CorruptChunk("unauthenticated frame where a deployment secret is set")
     h: _Hasher
@@ -156,9 +185,7 @@ def _checksum(
     else:
         raise CorruptChunk(f"unknown checksum algorithm {algorithm}")
     h.update(prefix)
-    for part in parts:
-        h.update(part)
-    return h.digest()
+    return h
 
 
 DEFAULT_CHECKSUM = CHECKSUM_XXH3_128 if _xxhash is not None else CHECKSUM_BLAKE2B_128
@@ -372,3 +399,47 @@ def verify_chunk(
     header = parse_header(head[:HEADER_SIZE], sum(len(p) for p in body))
     _check(header, head, body, namespace_fp, key, mac_key)
     return header
+
+
+class PayloadCheck:
+    """Verifies a frame whose payload arrives in pieces after its header (e.g.
+    a file read a piece at a time, each piece copied on while still in the
+    CPU's cache): the header is checked at once (structure, ``payload_nbytes``
+    against its length, namespace, key); :meth:`update` takes the payload's
+    bytes in order and :meth:`finish` checks the checksum or MAC over them.
+    Raises :class:`CorruptChunk` (or :class:`UnverifiableChunk`) as
+    :func:`verify_chunk` does."""
+
+    def __init__(
+        self,
+        header_buf: Any,
+        payload_nbytes: int,
+        *,
+        namespace_fp: bytes,
+        key: bytes,
+        mac_key: bytes | None = None,
+    ) -> None:
+        head = _view(header_buf)[:HEADER_SIZE]
+        self.header = parse_header(head, payload_nbytes)
+        if self.header.namespace_fp != namespace_fp:
+            raise CorruptChunk("foreign namespace")
+        if self.header.key != key:
+            raise CorruptChunk("key mismatch")
+        self._mac = mac_key is not None
+        self._hasher = _payload_hasher(self.header.checksum_algorithm, mac_key,
+                                       head[:_CHECKED_PREFIX])  # fmt: skip
+        self._seen = 0
+
+    def update(self, piece: Any) -> None:
+        """The next ``piece`` of the payload."""
+        view = _view(piece)
+        self._seen += len(view)
+        self._hasher.update(view)
+
+    def finish(self) -> ChunkHeader:
+        """The header, once every payload byte was given and the checksum matches."""
+        if self._seen != self.header.length:
+            raise CorruptChunk(f"truncated: {self._seen} of {self.header.length} payload bytes")
+        if not hmac.compare_digest(self._hasher.digest(), self.header.checksum):
+            raise CorruptChunk("MAC mismatch" if self._mac else "checksum mismatch")
+        return self.header

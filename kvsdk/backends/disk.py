@@ -35,14 +35,20 @@ Contract with the tiered store (bytes in, bytes out; framing is ours):
   that long: a late read or look is a miss and an error, a late write a
   dropped write (its writer thread removes the temp file when the OS returns),
   a start-up without an answer an empty or partial index (the directory check
-  is then made before the first operation). A read into a caller's buffer is
-  verified in the reader thread's own buffer and copied over only while the
-  caller still waits (one memory copy; a late read never writes into a slot
-  that may hold another chunk by then). ``inventory`` (``kvsdk inspect``)
-  walks each namespace on a thread of its own within ``read_timeout`` too.
+  is then made before the first operation). Reads go ``READ_STEP`` chunks per
+  hand-off to a reader thread (a hand-off costs ~50-100 us; one deadline per
+  step), writes ``WRITE_STEP``. A read into a caller's buffer reads the frame
+  ``READ_PIECE`` bytes at a time into the reader thread's own buffer, feeds
+  each piece to the check (:class:`~kvsdk.chunk_format.PayloadCheck`) and
+  copies it on while it is still in the CPU's cache, only while the caller
+  still waits: a late read never writes into a slot that may hold another
+  chunk by then, and the copy costs about what reading straight into the slot
+  did. A frame that fails its check leaves the buffer undefined (a miss).
+  ``inventory`` (``kvsdk inspect``) walks each namespace on a thread of its
+  own within ``read_timeout`` too.
 - Scatter/gather: ``put_parts`` writes a payload given as a list of buffers
   (a page lying in several regions of host memory) with one ``writev``, and
-  ``get_into_parts`` reads one into a list of buffers with ``readv``; the
+  ``get_into_parts`` reads one into a list of buffers (the pieces above); the
   checksum is computed over the parts in order, so the frame on disk is the
   same as ``put`` of the joined bytes and is verified the same way.
 - ``exists`` / ``get`` look at the file system, not only at the index, so
@@ -93,11 +99,11 @@ from kvsdk.backends.disk_files import (
     SUFFIX,
     check_private_dir,
     check_top_dir,
+    copy_at,
     file_size,
     flat_parts,
+    pread_full,
     read_whole,
-    readv_all,
-    scatter_into,
     write_all,
 )
 from kvsdk.backends.disk_reader import STALLED, TIMED_OUT, DeadlineReader, Handoff
@@ -106,6 +112,7 @@ from kvsdk.chunk_format import (
     FP_BYTES,
     HEADER_SIZE,
     CorruptChunk,
+    PayloadCheck,
     UnverifiableChunk,
     as_payload,
     decode_chunk,
@@ -125,6 +132,10 @@ LOOK_STEP = 256
 """``exists`` looks at this many files per hand-off to a reader thread, each step
 within ``read_timeout`` (after a step past it, the rest of the call is a miss)."""
 WRITE_STEP = 16
+READ_STEP = 16
+"""Reads one hand-off to a reader thread carries (one deadline each)."""
+READ_PIECE = 256 << 10
+"""Bytes a reader thread reads, checks and copies on at a time (stays in its cache)."""
 """Writes per hand-off to a writer thread, each step within ``read_timeout`` (a
 long healthy batch is never dropped for its length; after a step past its
 deadline the rest of the batch is dropped at once)."""
@@ -132,7 +143,6 @@ MTIME_REFRESH_SECONDS = 60.0
 """A hit refreshes a file's ``mtime`` (LRU order across restarts) when it is older."""
 _ERRNO_STAT = {errno.ENOSPC: "enospc", errno.EACCES: "eacces", errno.EPERM: "eacces",
                errno.EROFS: "erofs", errno.EDQUOT: "enospc"}  # fmt: skip
-_T = TypeVar("_T")
 _R = TypeVar("_R")
 
 
@@ -146,6 +156,18 @@ class _Read:
     st: os.stat_result | None = None
     payload: memoryview | None = None
     fits: bool = True
+
+
+_Item = tuple[ChunkKey, list[memoryview] | None]
+"""A read: the key, and the caller's buffers to fill (None: return the payload)."""
+
+
+def _deliver_read(res: _Read, target: tuple[list[Any], list[_Read]]) -> None:
+    target[1].append(res)
+
+
+def _copy_piece(piece: memoryview, offset: int, item: int, target: tuple[list[Any], Any]) -> None:
+    copy_at(piece, offset, target[0][item])
 
 
 @dataclass(frozen=True)
@@ -442,19 +464,6 @@ class DiskBackend(Backend):
             with contextlib.suppress(OSError):
                 os.unlink(path)
 
-    def _map(self, fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
-        """``fn`` over ``items`` in order; with ``io_threads``, one contiguous
-        share per thread (one task each: fewer hand-offs than a task per item)."""
-        if self._pool is None or len(items) < 2:
-            return [fn(x) for x in items]
-        k = min(self.options.io_threads, len(items))
-        cuts = [len(items) * i // k for i in range(k + 1)]
-        shares = [items[a:b] for a, b in pairwise(cuts)]
-        out: list[_R] = []
-        for part in self._pool.map(lambda share: [fn(x) for x in share], shares):
-            out += part
-        return out
-
     # -- what a look at the file system found -------------------------------------------
     def _settle(self, key: ChunkKey, size: int | None, seq: int) -> bool:
         """Apply what a look at ``key``'s file (begun when ``_seq`` was ``seq``)
@@ -565,44 +574,74 @@ class DiskBackend(Backend):
         return out
 
     def get(self, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
-        return self._map(self._load, [(k, None) for k in keys])
+        return self._load_all([(k, None) for k in keys])
 
     def get_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[bool]:
         """Like :meth:`get`, but each verified payload is copied into ``outs[i]``
         (a writable buffer it must fill exactly, e.g. a host-tier slot): no
         allocation. Where the answer is False the destination's contents are
         undefined; an entry of another size is a miss."""
-        items = [(k, [o]) for k, o in zip(keys, outs)]
-        return [v is not None for v in self._map(self._load, items)]
+        items: list[_Item] = [(k, [o]) for k, o in zip(keys, outs)]
+        return [v is not None for v in self._load_all(items)]
 
     def get_into_parts(
         self, keys: Sequence[ChunkKey], outs: Sequence[Sequence[memoryview]]
     ) -> list[bool]:
         """Like :meth:`get_into`, each verified payload copied into the buffers
         ``outs[i]`` in order (their sizes must add up to the payload's)."""
-        items = [(k, list(parts)) for k, parts in zip(keys, outs)]
-        return [v is not None for v in self._map(self._load, items)]
+        items: list[_Item] = [(k, list(parts)) for k, parts in zip(keys, outs)]
+        return [v is not None for v in self._load_all(items)]
 
-    def _load(self, item: tuple[ChunkKey, list[memoryview] | None]) -> memoryview | None:
-        """The verified payload of ``key`` (copied into ``outs`` when given; then
-        ``outs[0]`` or an empty view stands for the hit), or None for a miss.
-        The file is read on the tier's reader threads within ``read_timeout``."""
-        key, outs = item
+    def _load_all(self, items: list[_Item]) -> list[Any]:
+        """Each item's verified payload (``(key, None)``) or hit (``(key, outs)``:
+        copied into ``outs``; then ``outs[0]`` or an empty view), None for a miss;
+        with ``io_threads``, one contiguous share per thread."""
+        if self._pool is None or len(items) < 2:
+            return self._load_share(items)
+        k = min(self.options.io_threads, len(items))
+        cuts = [len(items) * i // k for i in range(k + 1)]
+        out: list[Any] = []
+        for part in self._pool.map(self._load_share, [items[a:b] for a, b in pairwise(cuts)]):
+            out += part
+        return out
+
+    def _load_share(self, items: list[_Item]) -> list[Any]:
+        """Read ``items`` in order on a reader thread, ``READ_STEP`` at a time (one
+        hand-off each); the caller waits at most ``read_timeout`` for each step,
+        and the reads of a step not done by then are misses (not attempted, or
+        abandoned while their worker stays blocked)."""
+        out: list[Any] = []
+        for i in range(0, len(items), READ_STEP):
+            step = items[i : i + READ_STEP]
+            done: list[_Read] = []  # outcomes, delivered while the caller waits
+            outs = [o for _, o in step]
+            wants = [(k, None if o is None else sum(b.nbytes for b in o)) for k, o in step]
+            res = self._reader.run(partial(self._read_step, wants), (outs, done))
+            out += [self._loaded(k, o, r) for (k, o), r in zip(step, done)]
+            if res is TIMED_OUT or res is STALLED:
+                missed = len(step) - len(done)
+                self._missed_deadline(res, "read", self._reader, missed)
+                self._count_n("misses", missed)
+                out += [None] * missed
+        return out
+
+    def _read_step(self, wants: list[tuple[ChunkKey, int | None]], handoff: Handoff) -> None:
+        """On a reader thread: read each ``(key, size of the caller's buffers or
+        None)``, handing each outcome to the caller while it waits; stops when
+        it gave up. Holds no view of the caller's buffers (only the handoff)."""
+        for j, (key, want) in enumerate(wants):
+            res = self._read_task(self._path(key), key, want, handoff, j)
+            if res.kind == "abandoned" or not handoff.deliver(partial(_deliver_read, res)):
+                return
+
+    def _loaded(self, key: ChunkKey, outs: list[memoryview] | None, res: _Read) -> Any:
+        """The caller's side of one read: counts and logs ``res``; the payload,
+        the hit (``outs[0]`` or an empty view) or None."""
         path = self._path(key)
-        want = None if outs is None else sum(o.nbytes for o in outs)
-        res = self._reader.run(partial(self._read_task, path, key, want), outs)
-        if res is TIMED_OUT or res is STALLED:
-            self._missed_deadline(res, "read", self._reader)
-            self._count("misses")
-            return None
-        assert isinstance(res, _Read)
         if res.kind == "absent" or res.kind == "open_error":
             if res.kind == "open_error":
                 self._count("read_errors", "errors")
                 self._burst.warning("read", "disk tier: cannot open %s: %s", path, res.detail)
-            self._count("misses")
-            return None
-        if res.kind == "abandoned":  # the caller timed out meanwhile (never here in order)
             self._count("misses")
             return None
         if res.kind == "rejected":
@@ -629,15 +668,18 @@ class DiskBackend(Backend):
             return res.payload
         return outs[0] if outs else memoryview(b"")
 
-    def _read_task(self, path: str, key: ChunkKey, want: int | None, handoff: Handoff) -> _Read:
-        """On a reader thread: read ``path`` (:meth:`_read_file`), then make the
+    def _read_task(
+        self, path: str, key: ChunkKey, want: int | None, handoff: Handoff, item: int
+    ) -> _Read:
+        """On a reader thread: read ``path`` (:meth:`_read_file`; the caller's
+        buffers are item ``item`` of the handoff's), then make the
         index agree with what was found (a file that is gone is forgotten, one
         another process stored is indexed, a bad one removed)."""
         if handoff.abandoned:  # queued past its deadline: not attempted
             return _Read("abandoned")
         self._ensure_checked()
         seq = self._seq
-        res = self._read_file(path, key, want, handoff)
+        res = self._read_file(path, key, want, handoff, item)
         if res.kind == "absent" or res.kind == "open_error":
             self._settle(key, None, seq)
         elif res.kind == "rejected" or res.kind == "corrupt":
@@ -656,7 +698,9 @@ class DiskBackend(Backend):
                 self._adopt(key, res.st.st_size, seq)  # stored by another process
         return res
 
-    def _read_file(self, path: str, key: ChunkKey, want: int | None, handoff: Handoff) -> _Read:
+    def _read_file(
+        self, path: str, key: ChunkKey, want: int | None, handoff: Handoff, item: int
+    ) -> _Read:
         """On a reader thread: open, check, read and verify ``path``; with ``want``
         (the caller's buffers' total size), copy a payload of that size into the
         caller's buffers, only if the caller still waits (``handoff.deliver``).
@@ -679,8 +723,7 @@ class DiskBackend(Backend):
             if want is None:
                 data = memoryview(read_whole(fd, size))
             else:
-                data = self._scratch(size)
-                readv_all(fd, [data])
+                res = self._stream_into(fd, size, key, want, handoff, item)
             if time.time() - st.st_mtime > MTIME_REFRESH_SECONDS:
                 with contextlib.suppress(OSError):  # read-only mount: fine
                     os.utime(fd)  # LRU order that survives restarts (coarse)
@@ -688,18 +731,51 @@ class DiskBackend(Backend):
             return _Read("read_error", exc.strerror or str(exc))
         finally:
             os.close(fd)
+        if want is not None:
+            return res if res.kind != "ok" else _Read("ok", st=st, fits=res.fits)
         try:
             payload = decode_chunk(data, namespace_fp=self._ns, key=key, mac_key=self._mac)
         except UnverifiableChunk as exc:
             return _Read("unverifiable", exc.reason)
         except CorruptChunk as exc:
             return _Read("corrupt", exc.reason)
-        if want is None:
-            return _Read("ok", st=st, payload=payload)
-        fits = payload.nbytes == want
-        if fits and not handoff.deliver(partial(scatter_into, payload)):
-            return _Read("abandoned")
-        return _Read("ok", st=st, fits=fits)
+        return _Read("ok", st=st, payload=payload)
+
+    def _stream_into(
+        self, fd: int, size: int, key: ChunkKey, want: int, handoff: Handoff, item: int
+    ) -> _Read:
+        """Read the frame in ``fd`` (``size`` bytes) a piece at a time into this
+        thread's scratch buffer, feed each piece to the check and copy it on into
+        the caller's buffers while it is still in the CPU's cache (under
+        ``handoff.deliver``: the system call never runs there, only the copy).
+        A frame that fails its check leaves the caller's buffers undefined, as a
+        miss may. The payload is verified in full even when it does not fit."""
+        head = os.pread(fd, HEADER_SIZE, 0)
+        try:
+            check = PayloadCheck(head, size - HEADER_SIZE, namespace_fp=self._ns, key=key,
+                                 mac_key=self._mac)  # fmt: skip
+        except UnverifiableChunk as exc:
+            return _Read("unverifiable", exc.reason)
+        except CorruptChunk as exc:
+            return _Read("corrupt", exc.reason)
+        length = check.header.length
+        fits = length == want
+        scratch = self._scratch(min(READ_PIECE, max(length, 1)))
+        offset = 0
+        while offset < length:
+            piece = scratch[: min(len(scratch), length - offset)]
+            got = pread_full(fd, piece, HEADER_SIZE + offset)
+            check.update(piece[:got])
+            if got < len(piece):  # the file shrank under us
+                break
+            if fits and not handoff.deliver(partial(_copy_piece, piece, offset, item)):
+                return _Read("abandoned")
+            offset += got
+        try:
+            check.finish()
+        except CorruptChunk as exc:
+            return _Read("corrupt", exc.reason)
+        return _Read("ok", fits=fits)
 
     def _scratch(self, size: int) -> memoryview:
         """This reader thread's own buffer of ``size`` bytes (kept between reads,

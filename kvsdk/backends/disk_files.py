@@ -102,29 +102,31 @@ def flat_parts(parts: Sequence[Any]) -> list[memoryview]:
     return [byte_view(p) for p in parts]
 
 
-def scatter_into(payload: memoryview, outs: Sequence[memoryview]) -> None:
-    """Copy ``payload`` into ``outs`` in order (their sizes add up to its size)."""
-    offset = 0
+def copy_at(piece: memoryview, offset: int, outs: Sequence[memoryview]) -> None:
+    """Copy ``piece`` to byte ``offset`` of the concatenation of ``outs``."""
     for out in outs:
         n = out.nbytes
-        byte_view(out)[:] = payload[offset : offset + n]
-        offset += n
-
-
-def readv_all(fd: int, parts: list[memoryview]) -> None:
-    """Fill ``parts`` from ``fd`` (at most ``IOV_MAX`` per call); a short file
-    leaves the rest unfilled (the frame check then fails on the checksum)."""
-    todo = [p for p in parts if p.nbytes]
-    i = 0
-    while i < len(todo):
-        n = os.readv(fd, todo[i : i + IOV_MAX])
-        if n == 0:
+        if offset >= n:
+            offset -= n
+            continue
+        take = min(n - offset, len(piece))
+        byte_view(out)[offset : offset + take] = piece[:take]
+        piece = piece[take:]
+        offset = 0
+        if not piece:
             return
-        while i < len(todo) and n >= todo[i].nbytes:
-            n -= todo[i].nbytes
-            i += 1
-        if n:  # part of one buffer done: the rest of its bytes
-            todo[i] = byte_view(todo[i])[n:]
+
+
+def pread_full(fd: int, buf: memoryview, offset: int) -> int:
+    """Fill ``buf`` from ``fd`` at ``offset`` (retrying short reads); the bytes
+    read, fewer only at the end of the file."""
+    got = 0
+    while got < len(buf):
+        n = os.preadv(fd, [buf[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
 
 
 def write_all(fd: int, parts: list[memoryview]) -> None:

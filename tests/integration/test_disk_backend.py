@@ -23,11 +23,12 @@ from kvsdk import plugins_manager
 from kvsdk.backend import Backend, Buffer, TierContext
 from kvsdk.backends.disk import (
     MTIME_REFRESH_SECONDS,
+    READ_PIECE,
     STALE_TMP_SECONDS,
     DiskBackend,
     DiskOptions,
 )
-from kvsdk.backends.disk_files import readv_all
+from kvsdk.backends.disk_files import copy_at
 from kvsdk.chunk_format import HEADER_SIZE, encode_chunk
 from kvsdk.config import load_config
 from kvsdk.eviction import ARCPolicy
@@ -231,28 +232,36 @@ def test_more_parts_than_one_system_call_takes(tmp_path: Path) -> None:
     assert b"".join(bytes(v) for v in outs) == data
 
 
-def test_short_reads_resume_inside_a_typed_buffer() -> None:
-    """``readv`` may return fewer bytes than asked (here: a pipe fed in odd
-    pieces); the rest is read into the right byte offsets of each part, also
-    for parts that are not byte-typed."""
+def test_pieces_land_at_their_byte_offsets_inside_typed_buffers() -> None:
+    """``copy_at`` (a read piece copied on into the caller's parts): pieces of
+    odd sizes land at the right byte offsets, also in parts that are not byte-typed."""
     data = payload(6, 3000)
     a, b = np.zeros(700, dtype=np.uint16), np.zeros(1600, dtype=np.uint8)
-    r, w = os.pipe()
-
-    def feed() -> None:
-        for i in range(0, len(data), 333):
-            os.write(w, data[i : i + 333])
-            time.sleep(0.002)
-        os.close(w)
-
-    t = threading.Thread(target=feed)
-    t.start()
-    try:
-        readv_all(r, [memoryview(a), memoryview(b)])
-    finally:
-        t.join()
-        os.close(r)
+    for at in range(0, len(data), 333):
+        copy_at(memoryview(data)[at : at + 333], at, [memoryview(a), memoryview(b)])
     assert a.tobytes() + b.tobytes() == data
+
+
+def test_a_payload_of_many_read_pieces_comes_back_whole_and_checked(tmp_path: Path) -> None:
+    """Larger than ``READ_PIECE``: read, checked and copied on a piece at a
+    time, into one slot or scattered typed parts; a bit flipped in the last
+    piece is a miss (and the file deleted)."""
+    size = 2 * READ_PIECE + 1003
+    b = DiskBackend(DiskOptions(path=str(tmp_path)), ctx(chunk_bytes=size))
+    data = [payload(i, size) for i in (1, 2)]
+    assert b.put([(key(i + 1), d) for i, d in enumerate(data)]) == [True, True]
+    slot = memoryview(bytearray(size))
+    assert b.get_into([key(1)], [slot]) == [True] and bytes(slot) == data[0]
+    words = np.zeros(READ_PIECE // 2 + 7, dtype=np.uint16)
+    rest = np.zeros(size - words.nbytes, dtype=np.uint8)
+    assert b.get_into_parts([key(2)], [[memoryview(words), memoryview(rest)]]) == [True]
+    assert words.tobytes() + rest.tobytes() == data[1]
+    f = entry_file(tmp_path, key(1))
+    frame = bytearray(f.read_bytes())
+    frame[-2] ^= 0x10
+    f.write_bytes(frame)
+    assert b.get_into([key(1), key(2)], [slot, memoryview(bytearray(size))]) == [False, True]
+    assert not f.exists() and b.stats()["corrupt"] == 1
 
 
 def test_get_into_parts_a_corrupted_part_is_a_miss_and_deleted(tmp_path: Path) -> None:

@@ -57,7 +57,7 @@ class Hang:
     :attr:`parts`, until :meth:`release`: an NFS server gone, then back.
     Functions taking a file descriptor match on the path it has open."""
 
-    FD_CALLS = ("read", "readv", "writev", "fsync")
+    FD_CALLS = ("read", "readv", "pread", "preadv", "writev", "fsync")
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
         self.parts: set[str] = set()

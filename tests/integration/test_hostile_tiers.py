@@ -350,14 +350,15 @@ class HungFiles:
     whose server went away and came back. No Linux file reachable without root
     (a FIFO, a lease, /proc) blocks a ``read`` of a regular file once ``open``
     with ``O_NONBLOCK`` succeeded, so the block is injected at the one seam the
-    disk tier reads through, the ``os.read``/``os.readv`` system calls, for
-    those files only; everything else (files, frames, threads) is real."""
+    disk tier reads through, the ``os.read``/``readv``/``pread``/``preadv``
+    system calls, for those files only; everything else (files, frames,
+    threads) is real."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.paths: set[str] = set()
         self.gate = threading.Event()
         self.blocked = 0
-        real_read, real_readv = os.read, os.readv
+        real_read, real_readv, real_pread, real_preadv = os.read, os.readv, os.pread, os.preadv
 
         def hung(fd: int) -> bool:
             try:
@@ -373,8 +374,18 @@ class HungFiles:
             self._wait(hung(fd))
             return real_readv(fd, buffers)
 
+        def pread(fd: int, n: int, offset: int) -> bytes:
+            self._wait(hung(fd))
+            return real_pread(fd, n, offset)
+
+        def preadv(fd: int, buffers: Any, offset: int) -> int:
+            self._wait(hung(fd))
+            return real_preadv(fd, buffers, offset)
+
         monkeypatch.setattr(os, "read", read)
         monkeypatch.setattr(os, "readv", readv)
+        monkeypatch.setattr(os, "pread", pread)
+        monkeypatch.setattr(os, "preadv", preadv)
 
     def _wait(self, is_hung: bool) -> None:
         if is_hung and not self.gate.is_set():

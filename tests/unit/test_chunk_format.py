@@ -263,3 +263,39 @@ def test_retired_hmac_code_is_corrupt_under_a_secret() -> None:
         buf[7] = code
         with pytest.raises(CorruptChunk):
             decode_chunk(buf, namespace_fp=NS, key=KEY, mac_key=_MAC_KEY)
+
+
+@pytest.mark.parametrize("mac_key", [None, "mac"], ids=["checksum", "mac"])
+def test_a_frame_checked_piece_by_piece_as_it_is_read(mac_key: str | None) -> None:
+    """PayloadCheck (the disk tier's streaming read): the header is checked at
+    once, the payload in pieces of any size; a flipped bit anywhere, a missing
+    byte or a foreign namespace or key fails."""
+    mk = _MAC_KEY if mac_key else None
+    payload = bytes(range(256)) * 41
+    buf = encode_chunk(NS, KEY, payload, mac_key=mk)
+    head, body = buf[:HEADER_SIZE], memoryview(buf)[HEADER_SIZE:]
+
+    def check(head: bytes, body: memoryview, piece: int, **kw: bytes) -> None:
+        args = {"namespace_fp": NS, "key": KEY, **kw}
+        c = cf.PayloadCheck(head, len(body), mac_key=mk, **args)  # type: ignore[arg-type]
+        for at in range(0, len(body), piece):
+            c.update(body[at : at + piece])
+        assert c.finish().length == len(payload)
+
+    for piece in (1 << 20, 4096, 1000, 7):
+        check(head, body, piece)
+    for offset in (0, 5000, len(payload) - 1):
+        bad = bytearray(body)
+        bad[offset] ^= 0x80
+        with pytest.raises(CorruptChunk, match="mismatch"):
+            check(head, memoryview(bad), 4096)
+    with pytest.raises(CorruptChunk, match="truncated"):
+        check(head, body[:-1], 4096)
+    with pytest.raises(CorruptChunk, match="foreign namespace"):
+        check(head, body, 4096, namespace_fp=OTHER)
+    with pytest.raises(CorruptChunk, match="key mismatch"):
+        check(head, body, 4096, key=OTHER)
+    c = cf.PayloadCheck(head, len(body), namespace_fp=NS, key=KEY, mac_key=mk)
+    c.update(body[:-1])  # a file that shrank under the reader
+    with pytest.raises(CorruptChunk, match="truncated"):
+        c.finish()
