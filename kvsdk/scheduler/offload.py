@@ -393,10 +393,15 @@ class OffloadScheduler:
                 candidates.setdefault(r.tenant, []).append((r, *found))
             if self._tail_due(r, upto):
                 tails.append(r)
-        stores = [
-            job for tenant, cs in candidates.items() for job in self._jobs.store_jobs(tenant, cs)
-        ]
-        stores += [job for r in tails if (job := self._tail_store_job(r)) is not None]
+        by_tenant: dict[str, list[RequestState]] = {}
+        for r in tails:
+            self._tail_taken(r)
+            by_tenant.setdefault(r.tenant, []).append(r)
+        stores = []
+        for tenant in [*candidates, *(t for t in by_tenant if t not in candidates)]:
+            stores += self._jobs.store_jobs(
+                tenant, candidates.get(tenant, []), by_tenant.get(tenant, ())
+            )
         self._flush_metrics()
         for key in done:
             self._finish(key)
@@ -436,12 +441,12 @@ class OffloadScheduler:
             and r.req_id not in self._loading_requests
         )
 
-    def _tail_store_job(self, r: RequestState) -> TransferJob | None:
-        """The store of ``r``'s prompt tail (once per request: stored or not)."""
+    def _tail_taken(self, r: RequestState) -> None:
+        """``r``'s prompt tail goes into this step's store jobs (once per
+        request: stored, or not if the tier has no room)."""
         assert r.tail is not None
         r.tail.stored = True
         self._set_next_store(r)
-        return self._jobs.tail_job(r)
 
     # -- completions ----------------------------------------------------------------------------
     def worker_results(self, results: Iterable[WorkerResult]) -> set[int]:

@@ -1,5 +1,6 @@
 """Store jobs from chosen chunks: one tier reservation for a step's candidates,
-then the block copies of each request, registered with the job ledger."""
+then one job per request (its whole chunks and, once its prompt is computed,
+its prompt's tail), registered with the job ledger."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from kvsdk.ledger import JobLedger
 from kvsdk.scheduler.request import RequestState, store_copies
 from kvsdk.scheduler.tail import tail_blocks_ready, tail_copies
 from kvsdk.store.tiered import TieredStore
-from kvsdk.transfer import Direction, TransferJob
+from kvsdk.transfer import BlockCopies, Direction, TransferJob
 from kvsdk.types import ChunkKey, KVGroupSpec
 
 Candidate = tuple[RequestState, list[Sequence[int]], list[ChunkKey]]
@@ -24,53 +25,100 @@ class StoreJobs:
         self.store = store
         self.ledger = ledger
 
-    def store_jobs(self, tenant: str, found: list[Candidate]) -> list[TransferJob]:
-        """One tier reservation for the step's candidates (one per request
-        if the tier cannot take them all at once), then a job per request."""
-        plan = self.store.prepare_store([k for _, _, keys in found for k in keys], tenant)
-        if plan is None and len(found) > 1:
+    def store_jobs(
+        self, tenant: str, found: list[Candidate], tails: Sequence[RequestState] = ()
+    ) -> list[TransferJob]:
+        """One tier reservation for the step's candidates and prompt tails (one
+        per request if the tier cannot take them all at once), then a job per
+        request: a request's tail rides in the job of its chunks, so a prompt
+        finishing in this step is one job, one ledger entry, one completion."""
+        tails = [r for r in tails if r.tail and tail_blocks_ready(r.tail, self.groups, r.block_ids)]
+        keys = [k for _, _, ks in found for k in ks]
+        for r in tails:
+            keys += r.tail.keys if r.tail else ()
+        plan = self.store.prepare_store(keys, tenant)
+        if plan is None and len(found) + len(tails) > 1:
             jobs = []
-            for item in found:
-                jobs += self.store_jobs(tenant, [item])
+            for units in _per_request(found, tails):
+                jobs += self.store_jobs(tenant, *units)
             return jobs
         if plan is None or not plan.keys:
             return []
         slot_of = dict(zip(plan.keys, plan.slots))
+        with_tail = {id(r) for r in tails}
         jobs = []
         for r, chosen, _ in found:
-            job = self._store_job(r, chosen, slot_of)
+            job = self._store_job(r, chosen, slot_of, id(r) in with_tail)
+            with_tail.discard(id(r))
             if job is not None:
+                jobs.append(job)
+        for r in tails:  # a tail due in a step that completes no chunk of its request
+            if id(r) in with_tail and (job := self._store_job(r, None, slot_of, True)):
                 jobs.append(job)
         return jobs
 
     def _store_job(
-        self, r: RequestState, chosen: list[Sequence[int]], slot_of: dict[ChunkKey, int]
+        self,
+        r: RequestState,
+        chosen: list[Sequence[int]] | None,
+        slot_of: dict[ChunkKey, int],
+        tail: bool,
     ) -> TransferJob | None:
-        """``r``'s store job for the chunks that got a slot (None: none did)."""
-        found = store_copies(r, self.groups, chosen, slot_of)
-        if found is None:
+        """``r``'s store job for the chunks that got a slot and, with ``tail``,
+        its prompt's tail if every group's entry got one (None: nothing did)."""
+        keys: list[ChunkKey] = []
+        per_group: dict[int, BlockCopies] = {}
+        fenced: list[int] = []
+        deferred: list[int] = []
+        found = None if chosen is None else store_copies(r, self.groups, chosen, slot_of)
+        if found is not None:
+            keys += found.keys
+            per_group = {c.group: c for c in found.copies}
+            fenced, deferred = found.fenced, found.deferred
+        if tail and (slots := self._tail_slots(r, slot_of)) is not None:
+            assert r.tail is not None
+            keys += r.tail.keys
+            for c in tail_copies(r.tail, self.groups, r.block_ids, slots):
+                deferred.extend(c.engine_blocks)
+                had = per_group.get(c.group)
+                per_group[c.group] = (
+                    c
+                    if had is None
+                    else BlockCopies(
+                        c.group,
+                        [*had.engine_blocks, *c.engine_blocks],
+                        [*had.slots, *c.slots],
+                        [*had.offsets, *c.offsets],
+                    )
+                )
+        if not keys:
             return None
         job_id = self.ledger.add_store(
-            r.req_id,
-            found.keys,
-            fenced_block_ids=found.fenced,
-            deferred_fence_block_ids=found.deferred,
+            r.req_id, keys, fenced_block_ids=fenced, deferred_fence_block_ids=deferred
         )
-        return TransferJob(job_id, Direction.STORE, found.copies)
+        return TransferJob(job_id, Direction.STORE, tuple(per_group.values()))
 
-    def tail_job(self, r: RequestState) -> TransferJob | None:
-        """The store of ``r``'s prompt tail, if its blocks are whole and the
-        tier takes every group's entry (None: stored already, or no room)."""
-        t = r.tail
-        assert t is not None
-        if not tail_blocks_ready(t, self.groups, r.block_ids):
-            return None
-        plan = self.store.prepare_store(t.keys, r.tenant)
-        if plan is None or len(plan.keys) != len(t.keys):
-            if plan is not None and plan.keys:
-                self.store.complete_store(list(plan.keys), ok=False)  # release the part
-            return None
-        copies = tail_copies(t, self.groups, r.block_ids, plan.slots)
-        blocks = [b for c in copies for b in c.engine_blocks]
-        job_id = self.ledger.add_store(r.req_id, list(t.keys), deferred_fence_block_ids=blocks)
-        return TransferJob(job_id, Direction.STORE, tuple(copies))
+    def _tail_slots(self, r: RequestState, slot_of: dict[ChunkKey, int]) -> list[int] | None:
+        """The slots of every group's tail entry, claimed from ``slot_of``; None
+        if some group's got none (stored already, or another request's): the
+        ones claimed are released, a tail is stored whole or not at all."""
+        assert r.tail is not None
+        slots = [slot_of.pop(k, None) for k in r.tail.keys]
+        if all(s is not None for s in slots):
+            return slots  # type: ignore[return-value]
+        part = [k for k, s in zip(r.tail.keys, slots) if s is not None]
+        if part:
+            self.store.complete_store(part, ok=False)
+        return None
+
+
+def _per_request(
+    found: list[Candidate], tails: Sequence[RequestState]
+) -> list[tuple[list[Candidate], list[RequestState]]]:
+    """The candidates and tails of one step, by request (in order)."""
+    out: dict[int, tuple[list[Candidate], list[RequestState]]] = {}
+    for c in found:
+        out.setdefault(id(c[0]), ([], []))[0].append(c)
+    for r in tails:
+        out.setdefault(id(r), ([], []))[1].append(r)
+    return list(out.values())

@@ -98,3 +98,45 @@ def test_after_a_reset_the_tail_is_gone_and_stored_again() -> None:
     assert serve(s, "b", PROMPT) == 0
     assert 3 in run_prefill(s, "b", PROMPT, [1, 2, 3])
     assert serve(s, "c", PROMPT) == 11
+
+
+def test_a_prompt_finished_in_one_step_is_one_store_job_with_its_tail() -> None:
+    """The tail rides in the job of the request's whole chunks: one ledger
+    entry, one completion; the tail's slot sits after the chunks' in one copy list."""
+    s = make()
+    serve(s, "a", PROMPT)
+    jobs = s.build_step(computed_after_step={"a": 11}, new_block_ids={"a": [[1, 2, 3]]},
+                        replace_block_ids=["a"])  # fmt: skip
+    (job,) = jobs.stores
+    (copies,) = job.copies
+    assert copies.engine_blocks == [1, 2, 3] and len(set(copies.slots)) == 3
+    assert s.ledger.num_jobs == 1
+    s.worker_results([WorkerResult(job.job_id)])
+    assert serve(s, "b", PROMPT) == 11
+
+
+def test_a_tail_due_after_its_chunks_is_a_job_of_its_own() -> None:
+    """Chunked prefill: the whole chunks are stored in the step that computes
+    them, the tail in the step that ends the prompt."""
+    s = make()
+    serve(s, "a", PROMPT)
+    first = s.build_step(computed_after_step={"a": 8}, new_block_ids={"a": [[1, 2]]},
+                         replace_block_ids=["a"])  # fmt: skip
+    assert [c.engine_blocks for j in first.stores for c in j.copies] == [[1, 2]]
+    second = s.build_step(computed_after_step={"a": 11}, new_block_ids={"a": [[3]]})
+    assert [c.engine_blocks for j in second.stores for c in j.copies] == [[3]]
+    s.worker_results([WorkerResult(j.job_id) for j in (*first.stores, *second.stores)])
+    assert serve(s, "b", PROMPT) == 11
+
+
+def test_two_requests_with_one_prompt_in_one_step_store_it_once() -> None:
+    s = make()
+    serve(s, "a", PROMPT)
+    serve(s, "b", PROMPT)
+    jobs = s.build_step(computed_after_step={"a": 11, "b": 11},
+                        new_block_ids={"a": [[1, 2, 3]], "b": [[4, 5, 6]]},
+                        replace_block_ids=["a", "b"])  # fmt: skip
+    copied = [b for j in jobs.stores for c in j.copies for b in c.engine_blocks]
+    assert sorted(copied) == [1, 2, 3]  # the chunks and the tail once, from the first
+    s.worker_results([WorkerResult(j.job_id) for j in jobs.stores])
+    assert serve(s, "c", PROMPT) == 11
