@@ -425,9 +425,9 @@ class PayloadCheck:
             raise CorruptChunk("foreign namespace")
         if self.header.key != key:
             raise CorruptChunk("key mismatch")
-        self._mac_key = mac_key
-        self._prefix = bytes(head[:_CHECKED_PREFIX])
-        self._hasher = _payload_hasher(self.header.checksum_algorithm, mac_key, self._prefix)
+        self._mac = mac_key is not None
+        self._hasher = _payload_hasher(self.header.checksum_algorithm, mac_key,
+                                       head[:_CHECKED_PREFIX])  # fmt: skip
         self._seen = 0
 
     def update(self, piece: Any) -> None:
@@ -440,20 +440,6 @@ class PayloadCheck:
         """The header, once every payload byte was given and the checksum matches."""
         if self._seen != self.header.length:
             raise CorruptChunk(f"truncated: {self._seen} of {self.header.length} payload bytes")
-        return self._compare(self._hasher.digest())
-
-    def finish_over(self, parts: Sequence[Any]) -> ChunkHeader:
-        """Instead of :meth:`update` and :meth:`finish`: check the whole payload,
-        given as ``parts`` in order, at once (for a MAC one call into OpenSSL,
-        faster than feeding it pieces when the payload is already in place)."""
-        views = [_view(p) for p in parts]
-        got = sum(len(v) for v in views)
-        if got != self.header.length:
-            raise CorruptChunk(f"truncated: {got} of {self.header.length} payload bytes")
-        alg = self.header.checksum_algorithm
-        return self._compare(_checksum(alg, self._mac_key, self._prefix, views))
-
-    def _compare(self, digest: bytes) -> ChunkHeader:
-        if not hmac.compare_digest(digest, self.header.checksum):
-            raise CorruptChunk("MAC mismatch" if self._mac_key else "checksum mismatch")
+        if not hmac.compare_digest(self._hasher.digest(), self.header.checksum):
+            raise CorruptChunk("MAC mismatch" if self._mac else "checksum mismatch")
         return self.header

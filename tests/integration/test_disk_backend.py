@@ -242,17 +242,12 @@ def test_pieces_land_at_their_byte_offsets_inside_typed_buffers() -> None:
     assert a.tobytes() + b.tobytes() == data
 
 
-@pytest.mark.parametrize("mac", [False, True], ids=["checksum", "mac"])
-def test_a_payload_of_many_read_pieces_comes_back_whole_and_checked(
-    tmp_path: Path, mac: bool
-) -> None:
-    """Larger than ``READ_PIECE``: read and copied on a piece at a time (a
-    checksum checked piece by piece, a MAC over the filled buffers at the end),
-    into one slot or scattered typed parts; a bit flipped in the last piece is
-    a miss (and the file deleted)."""
+def test_a_payload_of_many_read_pieces_comes_back_whole_and_checked(tmp_path: Path) -> None:
+    """Larger than ``READ_PIECE``: read, checked and copied on a piece at a
+    time, into one slot or scattered typed parts; a bit flipped in the last
+    piece is a miss (and the file deleted)."""
     size = 2 * READ_PIECE + 1003
-    frame_key = os.urandom(32) if mac else None
-    b = DiskBackend(DiskOptions(path=str(tmp_path)), ctx(chunk_bytes=size, frame_key=frame_key))
+    b = DiskBackend(DiskOptions(path=str(tmp_path)), ctx(chunk_bytes=size))
     data = [payload(i, size) for i in (1, 2)]
     assert b.put([(key(i + 1), d) for i, d in enumerate(data)]) == [True, True]
     slot = memoryview(bytearray(size))

@@ -299,17 +299,3 @@ def test_a_frame_checked_piece_by_piece_as_it_is_read(mac_key: str | None) -> No
     c.update(body[:-1])  # a file that shrank under the reader
     with pytest.raises(CorruptChunk, match="truncated"):
         c.finish()
-    # the whole payload at once (already in place), in one part or several
-    for cuts in ((), (1,), (4096, 9000)):
-        edges = (0, *cuts, len(body))
-        parts = [body[a:b] for a, b in itertools.pairwise(edges)]
-        c = cf.PayloadCheck(head, len(body), namespace_fp=NS, key=KEY, mac_key=mk)
-        assert c.finish_over(parts).length == len(payload)
-    bad = bytearray(body)
-    bad[-1] ^= 0x01
-    with pytest.raises(CorruptChunk, match="mismatch"):
-        cf.PayloadCheck(head, len(body), namespace_fp=NS, key=KEY, mac_key=mk).finish_over([bad])
-    with pytest.raises(CorruptChunk, match="truncated"):
-        cf.PayloadCheck(head, len(body), namespace_fp=NS, key=KEY, mac_key=mk).finish_over(
-            [body[:-1]]
-        )
