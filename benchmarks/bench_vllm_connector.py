@@ -319,6 +319,9 @@ class Engine:
             "cached_tokens": sum(o.num_cached_tokens for o in outs),
             "s": secs,
             "steps": timed["steps"],
+            # this wave alone: the spread between waves shows what one figure is worth
+            "us_per_step": 1e6 * sum(v["wall_s"] for v in timed["methods"].values())
+            / max(timed["steps"], 1),
         }
         self.trace_waves.append(info)
         return info
@@ -598,6 +601,11 @@ def summarize(runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict
         # the subset this benchmark reported before: it leaves out on_new_request, where
         # native does per-request work kvsdk does in get_num_new_matched_tokens
         "kvsdk_over_native_core_methods": ks["core_us_per_step"] / ns["core_us_per_step"],
+        # wave by wave (the two connectors run each wave back to back)
+        "per_wave_kvsdk_over_native": [
+            k["us_per_step"] / n["us_per_step"]
+            for k, n in zip(ks["waves"], ns["waves"], strict=True)
+        ],
     }
     tn, tk = none["throughput"], kvsdk["throughput"]
     throughput = {
@@ -739,6 +747,8 @@ def format_table(s: dict[str, Any]) -> str:
         f" kvsdk/native {sc['kvsdk_over_native']:.2f}x"
         f" (thread CPU time {sc['kvsdk_over_native_cpu']:.2f}x; without on_new_request,"
         f" stats and the other hooks {sc['kvsdk_over_native_core_methods']:.2f}x)",
+        "   per wave kvsdk/native: "
+        + ", ".join(f"{r:.2f}x" for r in sc["per_wave_kvsdk_over_native"]),
     ]
     for name in ("kvsdk", "native"):
         top = sorted(sc[name]["methods"].items(), key=lambda kv: -kv[1]["total_ms"])

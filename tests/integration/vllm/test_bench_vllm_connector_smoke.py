@@ -38,7 +38,7 @@ TTFT_FIELDS = {
 }  # fmt: skip
 SCHED_FIELDS = {
     "kvsdk", "native", "kvsdk_us_per_step", "native_us_per_step", "kvsdk_over_native",
-    "kvsdk_over_native_cpu", "kvsdk_over_native_core_methods",
+    "kvsdk_over_native_cpu", "kvsdk_over_native_core_methods", "per_wave_kvsdk_over_native",
 }  # fmt: skip
 PER_CONNECTOR_SCHED = {
     "waves", "steps", "core_total_s", "core_us_per_step", "core_cpu_us_per_step",
@@ -84,6 +84,8 @@ def test_bench_vllm_connector_smoke(tmp_path: Path) -> None:
         assert s["steps"] > 0 and s["core_total_s"] > 0
         assert {"get_num_new_matched_tokens", "build_connector_meta"} <= set(s["methods"])
         assert s["waves"][1]["cached_tokens"] > 0  # the second wave's prefixes were loaded
+        assert all(w["us_per_step"] > 0 for w in s["waves"])
+    assert len(r["sched"]["per_wave_kvsdk_over_native"]) == len(r["sched"]["kvsdk"]["waves"])
     assert set(r["throughput"]) >= THROUGHPUT_FIELDS
     assert r["throughput"]["kvsdk"]["rounds"][0]["cached_tokens"] == 0  # no reuse
     assert r["throughput"]["kvsdk_over_none"] > 0
