@@ -37,12 +37,16 @@ class StoreJobs:
         for r in tails:
             keys += r.tail.keys if r.tail else ()
         plan = self.store.prepare_store(keys, tenant)
-        if plan is None and len(found) + len(tails) > 1:
+        if plan is None:  # the tier cannot take them all at once: one part at a time
+            parts = _per_request(found, tails)
+            if len(parts) == 1:  # one request: each chunk candidate, then its tail
+                parts = [([c], []) for c in found] + ([([], list(tails))] if tails else [])
             jobs = []
-            for units in _per_request(found, tails):
-                jobs += self.store_jobs(tenant, *units)
+            if len(parts) > 1:  # (one part alone that does not fit: nothing stored)
+                for units in parts:
+                    jobs += self.store_jobs(tenant, *units)
             return jobs
-        if plan is None or not plan.keys:
+        if not plan.keys:
             return []
         slot_of = dict(zip(plan.keys, plan.slots))
         with_tail = {id(r) for r in tails}

@@ -140,3 +140,19 @@ def test_two_requests_with_one_prompt_in_one_step_store_it_once() -> None:
     assert sorted(copied) == [1, 2, 3]  # the chunks and the tail once, from the first
     s.worker_results([WorkerResult(j.job_id) for j in jobs.stores])
     assert serve(s, "c", PROMPT) == 11
+
+
+def test_a_tier_without_room_for_chunks_and_tail_at_once_stores_what_fits() -> None:
+    """The step's reservation fails (two slots, three entries): the request's
+    chunks are tried alone, then its tail; what fits is stored, never a loop."""
+    ns = Namespace("m", "float32", (GroupLayout((2, TPB, 1, 8), "float32"),), TPB)
+    store = build_store(load_config({"tiers": [{"backend": "cpu", "capacity": 512}]}), ns, 256)
+    s = OffloadScheduler([KVGroupSpec(0, GroupKind.FULL_ATTENTION, TPB, 1)], ns, store)
+    assert store.host.num_slots == 2
+    serve(s, "a", PROMPT)
+    jobs = s.build_step(computed_after_step={"a": 11}, new_block_ids={"a": [[1, 2, 3]]},
+                        replace_block_ids=["a"])  # fmt: skip
+    copied = sorted(b for j in jobs.stores for c in j.copies for b in c.engine_blocks)
+    assert copied == [1, 2]  # the whole chunks; no room left for the tail
+    s.worker_results([WorkerResult(j.job_id) for j in jobs.stores])
+    assert serve(s, "b", PROMPT) == 8
