@@ -358,13 +358,21 @@ def _check(
     key: bytes,
     mac_key: bytes | None,
 ) -> None:
+    _check_identity(header, namespace_fp, key)
+    expected = _checksum(header.checksum_algorithm, mac_key, header_buf[:_CHECKED_PREFIX], payload)
+    _check_digest(header, expected, mac_key is not None)
+
+
+def _check_identity(header: ChunkHeader, namespace_fp: bytes, key: bytes) -> None:
     if header.namespace_fp != namespace_fp:
         raise CorruptChunk("foreign namespace")
     if header.key != key:
         raise CorruptChunk("key mismatch")
-    expected = _checksum(header.checksum_algorithm, mac_key, header_buf[:_CHECKED_PREFIX], payload)
-    if not hmac.compare_digest(expected, header.checksum):
-        raise CorruptChunk("MAC mismatch" if mac_key is not None else "checksum mismatch")
+
+
+def _check_digest(header: ChunkHeader, digest: bytes, mac: bool) -> None:
+    if not hmac.compare_digest(digest, header.checksum):
+        raise CorruptChunk("MAC mismatch" if mac else "checksum mismatch")
 
 
 def decode_chunk(
@@ -421,10 +429,7 @@ class PayloadCheck:
     ) -> None:
         head = _view(header_buf)[:HEADER_SIZE]
         self.header = parse_header(head, payload_nbytes)
-        if self.header.namespace_fp != namespace_fp:
-            raise CorruptChunk("foreign namespace")
-        if self.header.key != key:
-            raise CorruptChunk("key mismatch")
+        _check_identity(self.header, namespace_fp, key)
         self._mac = mac_key is not None
         self._hasher = _payload_hasher(self.header.checksum_algorithm, mac_key,
                                        head[:_CHECKED_PREFIX])  # fmt: skip
@@ -440,6 +445,5 @@ class PayloadCheck:
         """The header, once every payload byte was given and the checksum matches."""
         if self._seen != self.header.length:
             raise CorruptChunk(f"truncated: {self._seen} of {self.header.length} payload bytes")
-        if not hmac.compare_digest(self._hasher.digest(), self.header.checksum):
-            raise CorruptChunk("MAC mismatch" if self._mac else "checksum mismatch")
+        _check_digest(self.header, self._hasher.digest(), self._mac)
         return self.header

@@ -85,16 +85,7 @@ class StoreJobs:
             for c in tail_copies(r.tail, self.groups, r.block_ids, slots):
                 deferred.extend(c.engine_blocks)
                 had = per_group.get(c.group)
-                per_group[c.group] = (
-                    c
-                    if had is None
-                    else BlockCopies(
-                        c.group,
-                        [*had.engine_blocks, *c.engine_blocks],
-                        [*had.slots, *c.slots],
-                        [*had.offsets, *c.offsets],
-                    )
-                )
+                per_group[c.group] = c if had is None else _joined(had, c)
         if not keys:
             return None
         job_id = self.ledger.add_store(
@@ -114,6 +105,16 @@ class StoreJobs:
         if part:
             self.store.complete_store(part, ok=False)
         return None
+
+
+def _joined(a: BlockCopies, b: BlockCopies) -> BlockCopies:
+    """One group's copies of ``a`` then ``b``."""
+    return BlockCopies(
+        a.group,
+        [*a.engine_blocks, *b.engine_blocks],
+        [*a.slots, *b.slots],
+        [*a.offsets, *b.offsets],
+    )
 
 
 def _per_request(
