@@ -31,27 +31,18 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import torch
-from transformers import LlamaConfig
 from vllm import SamplingParams
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 
-import kvsdk.plugins.vllm
 from kvsdk.plugins.vllm.messages import KVSDKWorkerMetadata
+from kvsdk.plugins.vllm.workloads.model_free_scheduler import (
+    model_free_scheduler,
+    write_llama_config,
+)
 
 BLOCK = 128  # vLLM-CPU's default
 LAYERS, KV_HEADS, HEAD = 8, 8, 64
@@ -67,7 +58,8 @@ HOOKS = (
 
 
 def build_scheduler(model_dir: str, num_blocks: int) -> Scheduler:
-    LlamaConfig(
+    write_llama_config(
+        model_dir,
         hidden_size=1024,
         intermediate_size=2048,
         num_hidden_layers=LAYERS,
@@ -76,49 +68,19 @@ def build_scheduler(model_dir: str, num_blocks: int) -> Scheduler:
         head_dim=HEAD,
         vocab_size=32000,
         max_position_embeddings=4096,
-    ).save_pretrained(model_dir)
-    kvsdk.plugins.vllm.register()
-    init_none_hash(sha256)
-    vc = VllmConfig(
-        model_config=ModelConfig(
-            model=model_dir,
-            skip_tokenizer_init=True,
-            dtype="float32",
-            seed=0,
-            max_model_len=4096,
-        ),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=256,
-            max_num_batched_tokens=4096,
-            max_model_len=4096,
-            is_encoder_decoder=False,
-        ),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KVSDKConnector",
-            kv_role="kv_both",
-            engine_id=f"profile-{uuid.uuid4()}",
-            kv_connector_extra_config={
-                "config": {"tiers": [{"backend": "cpu", "capacity": "512MiB"}]}
-            },
-        ),
-        device_config=DeviceConfig("cpu"),
     )
-    vc.cache_config.num_gpu_blocks = num_blocks
-    spec = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float32
-    )
-    layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    kcc = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
-    )
-    return Scheduler(
-        vllm_config=vc,
-        kv_cache_config=kcc,
-        structured_output_manager=StructuredOutputManager(vc),
+    return model_free_scheduler(
+        model_dir,
+        engine_id=f"profile-{uuid.uuid4()}",
+        kvsdk_config={"tiers": [{"backend": "cpu", "capacity": "512MiB"}]},  # else defaults
         block_size=BLOCK,
+        num_blocks=num_blocks,
+        num_layers=LAYERS,
+        num_kv_heads=KV_HEADS,
+        head_size=HEAD,
+        max_model_len=4096,
+        max_num_seqs=256,
+        max_num_batched_tokens=4096,
     )
 
 

@@ -22,29 +22,21 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig
 from vllm import SamplingParams
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
 
-import kvsdk.plugins.vllm
 from kvsdk.plugins.vllm.connector import KVSDKConnector
 from kvsdk.plugins.vllm.messages import KVSDKConnectorMetadata, KVSDKWorkerMetadata
 from kvsdk.plugins.vllm.worker_side import WorkerSide
+from kvsdk.plugins.vllm.workloads.model_free_scheduler import (
+    model_free_scheduler,
+    write_llama_config,
+)
 from kvsdk.slab import SHM_DIR, segment_name
 from kvsdk.transfer import Direction, TransferJob, TransferResult, TransferWorker
 from kvsdk.transfer.cpu import CPUTransferWorker
@@ -62,7 +54,8 @@ TOKEN = 7
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A local config.json only (no weights, no tokenizer): vLLM never loads a model here."""
     path = tmp_path_factory.mktemp("model") / "tiny-llama-config"
-    LlamaConfig(
+    write_llama_config(
+        str(path),
         hidden_size=KV_HEADS * HEAD * 2,
         intermediate_size=128,
         num_hidden_layers=LAYERS,
@@ -71,7 +64,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
         head_dim=HEAD,
         vocab_size=1000,
         max_position_embeddings=1024,
-    ).save_pretrained(path)
+    )
     return str(path)
 
 
@@ -91,54 +84,25 @@ class Engine:
         ``prompt_tail`` off (kvsdk's default is on) for the tests that count
         the stores of whole chunks; ``test_a_prompts_tail_*`` turn it on."""
         self.num_blocks = num_blocks
-        kvsdk.plugins.vllm.register()
-        init_none_hash(sha256)
-        model_config = ModelConfig(
-            model=model, skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=1024
-        )
-        vllm_config = VllmConfig(
-            model_config=model_config,
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=8,
-                max_num_batched_tokens=1024,
-                max_model_len=1024,
-                is_encoder_decoder=False,
-            ),
-            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="KVSDKConnector",
-                kv_role="kv_both",
-                engine_id=engine_id,
-                kv_connector_extra_config={
-                    "config": {
-                        "chunk_tokens": CHUNK,
-                        "prompt_tail": prompt_tail,
-                        "tiers": [{"backend": "cpu", "capacity": "2MiB"}],
-                    }
-                },
-            ),
-            device_config=DeviceConfig("cpu"),
-        )
-        vllm_config.cache_config.num_gpu_blocks = num_blocks
-        self.kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[
-                KVCacheGroupSpec(
-                    LAYER_NAMES,
-                    FullAttentionSpec(
-                        block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float32
-                    ),
-                    is_eagle_group=eagle,
-                )
-            ],
-        )
-        self.scheduler = Scheduler(
-            vllm_config=vllm_config,
-            kv_cache_config=self.kv_cache_config,
-            structured_output_manager=StructuredOutputManager(vllm_config),
+        self.scheduler = model_free_scheduler(
+            model,
+            engine_id=engine_id,
+            kvsdk_config={
+                "chunk_tokens": CHUNK,
+                "prompt_tail": prompt_tail,
+                "tiers": [{"backend": "cpu", "capacity": "2MiB"}],
+            },
             block_size=BLOCK,
+            num_blocks=num_blocks,
+            num_layers=LAYERS,
+            num_kv_heads=KV_HEADS,
+            head_size=HEAD,
+            max_model_len=1024,
+            max_num_seqs=8,
+            max_num_batched_tokens=1024,
+            eagle=eagle,
         )
+        self.kv_cache_config = self.scheduler.kv_cache_config
         connector = self.scheduler.connector
         assert isinstance(connector, KVSDKConnector)
         self.connector = connector
