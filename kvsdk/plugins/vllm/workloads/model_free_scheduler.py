@@ -46,12 +46,32 @@ def model_free_scheduler(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     eagle: bool = False,
+    native_bytes: int | None = None,
 ) -> Scheduler:
     """The scheduler for the model at ``model_dir`` (a config only), its KV in
     ``num_blocks`` blocks of one full-attention group (``eagle``: vLLM marks the
     group as holding an EAGLE/MTP drafter's layers), kvsdk configured by
-    ``kvsdk_config``."""
+    ``kvsdk_config``; with ``native_bytes``, vLLM's native
+    ``OffloadingConnector`` instead (the CPU spec kvsdk ships for it, a host
+    tier of that many bytes)."""
     kvsdk.plugins.vllm.register()
+    transfer = KVTransferConfig(
+        kv_connector="KVSDKConnector",
+        kv_role="kv_both",
+        engine_id=engine_id,
+        kv_connector_extra_config={"config": kvsdk_config},
+    )
+    if native_bytes is not None:
+        transfer = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            engine_id=engine_id,
+            kv_connector_extra_config={
+                "spec_name": "TorchCPUOffloadingSpec",
+                "spec_module_path": "kvsdk.plugins.vllm.workloads.native_offload",
+                "cpu_bytes_to_use": native_bytes,
+            },
+        )
     init_none_hash(sha256)
     vllm_config = VllmConfig(
         model_config=ModelConfig(
@@ -68,12 +88,7 @@ def model_free_scheduler(
             is_encoder_decoder=False,
         ),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KVSDKConnector",
-            kv_role="kv_both",
-            engine_id=engine_id,
-            kv_connector_extra_config={"config": kvsdk_config},
-        ),
+        kv_transfer_config=transfer,
         device_config=DeviceConfig("cpu"),
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
