@@ -248,12 +248,63 @@ def encode_header(
     memory); the checksum is computed over the parts in order, no copy.
     With ``mac_key`` (the namespace's frame key, :mod:`kvsdk.trust`) the
     checksum is a GMAC tag under a fresh nonce and ``checksum`` is ignored."""
+    parts = _parts(payload)
+    prefix, algorithm = _header_prefix(
+        namespace_fp, key, sum(p.nbytes for p in parts), dtype, shape, checksum, mac_key
+    )
+    return prefix + _checksum(algorithm, mac_key, prefix, parts)
+
+
+class HeaderAfterPayload:
+    """The header of a frame whose payload is given in pieces first (a file
+    written a piece at a time, each piece checksummed right after it was
+    written, while still in the CPU's cache): :meth:`update` takes the
+    payload's bytes in order, :meth:`finish` returns the header, the same as
+    :func:`encode_header`'s for the whole payload."""
+
+    def __init__(
+        self,
+        namespace_fp: bytes,
+        key: bytes,
+        nbytes: int,
+        dtype: str,
+        shape: Sequence[int],
+        *,
+        checksum: int = DEFAULT_CHECKSUM,
+        mac_key: bytes | None = None,
+    ) -> None:
+        self._prefix, algorithm = _header_prefix(
+            namespace_fp, key, nbytes, dtype, shape, checksum, mac_key
+        )
+        self._hasher = _payload_hasher(algorithm, mac_key, self._prefix)
+        self._left = nbytes
+
+    def update(self, piece: memoryview) -> None:
+        """The next ``piece`` of the payload."""
+        self._left -= piece.nbytes
+        self._hasher.update(piece)
+
+    def finish(self) -> bytes:
+        if self._left:
+            raise ValueError(f"{self._left} payload bytes short of (or past) the frame's length")
+        return self._prefix + self._hasher.digest()
+
+
+def _header_prefix(
+    namespace_fp: bytes,
+    key: bytes,
+    nbytes: int,
+    dtype: str,
+    shape: Sequence[int],
+    checksum: int,
+    mac_key: bytes | None,
+) -> tuple[bytes, int]:
+    """The header up to its checksum field (a fresh nonce with ``mac_key``), and
+    the checksum algorithm of the frame."""
     nonce = bytes(NONCE_BYTES)
     if mac_key is not None:
         checksum = CHECKSUM_GMAC_128
         nonce = os.urandom(NONCE_BYTES)
-    parts = _parts(payload)
-    nbytes = sum(p.nbytes for p in parts)
     if len(namespace_fp) != FP_BYTES or len(key) != KEY_BYTES:
         raise ValueError("namespace fingerprint and key must be 16 bytes each")
     if len(shape) > MAX_NDIM or any(d < 0 for d in shape):
@@ -269,7 +320,7 @@ def encode_header(
         MAGIC, FORMAT_VERSION, checksum, len(shape), dtype.encode("ascii"),
         namespace_fp, key, *dims, nbytes, nonce, bytes(16),
     )[:_CHECKED_PREFIX]  # fmt: skip
-    return prefix + _checksum(checksum, mac_key, prefix, parts)
+    return prefix, checksum
 
 
 def _parts(payload: memoryview | Sequence[memoryview]) -> Sequence[memoryview]:

@@ -34,6 +34,7 @@ MADV_POPULATE_WRITE = 23
 """``<linux/mman.h>``; Python's ``mmap`` module names it from 3.12 on."""
 STEP_BYTES = 64 << 20
 
+
 @functools.cache
 def _madvise() -> Any:
     """libc's ``madvise`` (None where there is none to call)."""

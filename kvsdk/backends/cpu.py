@@ -65,9 +65,7 @@ class CPUBackend(HostTier):
             if self.slot_bytes % regions:
                 raise ValueError(f"cpu tier: a {self.slot_bytes} B slot has no {regions} regions")
             geometry = SlabGeometry(n, self.slot_bytes // regions, regions)
-            self._shared = SharedSlab.create(
-                context.slab.name, geometry, prefault=options.prefault
-            )
+            self._shared = SharedSlab.create(context.slab.name, geometry, prefault=options.prefault)
             self._slab = self._shared.tensor  # each worker pins its own mapping for DMA
         else:
             self._slab = torch.empty((n, self.slot_bytes), dtype=torch.uint8, pin_memory=pin)

@@ -47,7 +47,7 @@ Contract with the tiered store (bytes in, bytes out; framing is ours):
   ``inventory`` (``kvsdk inspect``) walks each namespace on a thread of its
   own within ``read_timeout`` too.
 - Scatter/gather: ``put_parts`` writes a payload given as a list of buffers
-  (a page lying in several regions of host memory) with one ``writev``, and
+  (a page lying in several regions of host memory) with ``pwritev`` calls, and
   ``get_into_parts`` reads one into a list of buffers (the pieces above); the
   checksum is computed over the parts in order, so the frame on disk is the
   same as ``put`` of the joined bytes and is verified the same way.
@@ -104,7 +104,7 @@ from kvsdk.backends.disk_files import (
     flat_parts,
     pread_full,
     read_whole,
-    write_all,
+    write_frame,
 )
 from kvsdk.backends.disk_reader import STALLED, TIMED_OUT, DeadlineReader, Handoff
 from kvsdk.burst_log import BurstLog
@@ -112,11 +112,11 @@ from kvsdk.chunk_format import (
     FP_BYTES,
     HEADER_SIZE,
     CorruptChunk,
+    HeaderAfterPayload,
     PayloadCheck,
     UnverifiableChunk,
     as_payload,
     decode_chunk,
-    encode_header,
 )
 from kvsdk.config import BYTES
 from kvsdk.eviction import EvictionPolicy, LRUPolicy
@@ -131,11 +131,13 @@ STALE_TMP_SECONDS = 3600.0
 LOOK_STEP = 256
 """``exists`` looks at this many files per hand-off to a reader thread, each step
 within ``read_timeout`` (after a step past it, the rest of the call is a miss)."""
-WRITE_STEP = 16
 READ_STEP = 16
 """Reads one hand-off to a reader thread carries (one deadline each)."""
 READ_PIECE = 256 << 10
 """Bytes a reader thread reads, checks and copies on at a time (stays in its cache)."""
+WRITE_PIECE = 256 << 10
+"""Bytes a writer thread writes, then checksums while they are still in its cache."""
+WRITE_STEP = 16
 """Writes per hand-off to a writer thread, each step within ``read_timeout`` (a
 long healthy batch is never dropped for its length; after a step past its
 deadline the rest of the batch is dropped at once)."""
@@ -553,9 +555,7 @@ class DiskBackend(Backend):
             out += res
         return out
 
-    def _exists_task(
-        self, keys: list[ChunkKey], paths: list[str], handoff: Handoff
-    ) -> list[bool]:
+    def _exists_task(self, keys: list[ChunkKey], paths: list[str], handoff: Handoff) -> list[bool]:
         """On a reader thread: one ``lstat`` per key, applied to the index."""
         out: list[bool] = []
         if handoff.abandoned:
@@ -796,7 +796,7 @@ class DiskBackend(Backend):
 
     def put_parts(self, items: Sequence[tuple[ChunkKey, Sequence[memoryview]]]) -> list[bool]:
         """Like :meth:`put` of the joined parts (the same frame on disk), written
-        with one ``writev`` from the parts as they are: no join, no copy."""
+        from the parts as they are (``pwritev``): no join, no copy."""
         return self._put_batch([(k, flat_parts(parts)) for k, parts in items])
 
     def _put_batch(self, items: list[tuple[ChunkKey, Any]]) -> list[bool]:
@@ -843,8 +843,9 @@ class DiskBackend(Backend):
         return False
 
     def _write_task(self, items: list[tuple[ChunkKey, Any]], handoff: Handoff) -> None:
-        """On a writer thread: frame (checksum or MAC, on this thread, so the
-        payload is still in its cache when written) and write each item, handing
+        """On a writer thread: write each item's frame (its payload ``WRITE_PIECE``
+        bytes at a time, each piece checksummed or MAC'd on this thread right
+        after it was written, while still in its cache; the header last), handing
         each outcome to the caller while it waits; stops when it gave up."""
         for key, value in items:
             if handoff.abandoned:  # past the deadline: the rest not attempted
@@ -853,19 +854,21 @@ class DiskBackend(Backend):
             if isinstance(value, list):  # from put_parts: flat byte views
                 parts: list[memoryview] = value
                 nbytes = sum(p.nbytes for p in parts)
-                header = encode_header(self._ns, key, parts, "|u1", (nbytes,), mac_key=self._mac)
+                frame = HeaderAfterPayload(
+                    self._ns, key, nbytes, "|u1", (nbytes,), mac_key=self._mac
+                )
             else:
                 flat, dtype, shape = as_payload(value)
                 parts, nbytes = [flat], flat.nbytes
-                header = encode_header(self._ns, key, flat, dtype, shape, mac_key=self._mac)
-            outcome = self._write_one(self._path(key), key, header, parts, len(header) + nbytes,
+                frame = HeaderAfterPayload(self._ns, key, nbytes, dtype, shape, mac_key=self._mac)
+            outcome = self._write_one(self._path(key), key, frame, parts, HEADER_SIZE + nbytes,
                                       handoff)  # fmt: skip
             if outcome == "abandoned" or not handoff.deliver(partial(_append, outcome)):
                 return
 
     def _write_one(
-        self, path: str, key: ChunkKey, header: bytes, parts: list[memoryview], size: int,
-        handoff: Handoff,
+        self, path: str, key: ChunkKey, frame: HeaderAfterPayload, parts: list[memoryview],
+        size: int, handoff: Handoff,
     ) -> str | OSError:  # fmt: skip
         """Reserve room (or find the key stored), write a temporary file, then
         publish it (rename), index it and end the reservation in one step. An
@@ -895,15 +898,15 @@ class DiskBackend(Backend):
         if outcome:
             return outcome
         try:
-            return self._write_file(path, header, parts, key, size, handoff)
+            return self._write_file(path, frame, parts, key, size, handoff)
         except OSError as exc:
             with self._lock:
                 self._reserved -= size
             return exc
 
     def _write_file(
-        self, path: str, header: bytes, payload: list[memoryview], key: ChunkKey, size: int,
-        handoff: Handoff,
+        self, path: str, frame: HeaderAfterPayload, payload: list[memoryview], key: ChunkKey,
+        size: int, handoff: Handoff,
     ) -> str:  # fmt: skip
         """Write a temporary file, then publish it (rename), index it and end the
         reservation of ``size`` bytes in one step (on an error the caller ends
@@ -921,7 +924,7 @@ class DiskBackend(Backend):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
-                write_all(fd, [memoryview(header), *payload])
+                write_frame(fd, frame, payload, WRITE_PIECE)
                 if self.options.fsync:
                     os.fsync(fd)
             finally:

@@ -8,8 +8,10 @@ import errno
 import os
 import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
+
+from kvsdk.chunk_format import HEADER_SIZE, HeaderAfterPayload
 
 SUFFIX = ".kvc"
 ENTRY_RE = re.compile(r"^[0-9a-f]{32}\.kvc$")
@@ -17,7 +19,7 @@ ENTRY_RE = re.compile(r"^[0-9a-f]{32}\.kvc$")
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 """How a chunk file is opened: a planted symlink fails, a FIFO opens without blocking."""
 IOV_MAX = 1024
-"""Most buffers one ``readv``/``writev`` call takes (Linux ``UIO_MAXIOV``)."""
+"""Most buffers one ``readv``/``pwritev`` call takes (Linux ``UIO_MAXIOV``)."""
 
 
 def read_whole(fd: int, size: int) -> bytes:
@@ -129,14 +131,52 @@ def pread_full(fd: int, buf: memoryview, offset: int) -> int:
     return got
 
 
-def write_all(fd: int, parts: list[memoryview]) -> None:
-    """Write ``parts`` in order (at most ``IOV_MAX`` per ``writev``), retrying short writes."""
+def write_frame(
+    fd: int, frame: HeaderAfterPayload, parts: Sequence[memoryview], piece: int
+) -> None:
+    """Write a frame to the new file ``fd``: the payload ``parts`` after the
+    header's place, about ``piece`` bytes per ``pwritev``, each piece given to
+    ``frame`` right after it was written (still in the CPU's cache: the
+    checksum or MAC does not read the payload from memory a second time),
+    then the header at offset 0."""
+    offset = HEADER_SIZE
+    for group in _pieces(parts, piece):
+        pwrite_all(fd, group, offset)
+        for view in group:
+            frame.update(view)
+            offset += view.nbytes
+    pwrite_all(fd, [memoryview(frame.finish())], 0)
+
+
+def _pieces(parts: Sequence[memoryview], limit: int) -> Iterator[list[memoryview]]:
+    """``parts`` regrouped: lists of views of at most ``limit`` bytes and
+    ``IOV_MAX`` views (a large part is split, small ones go together)."""
+    group: list[memoryview] = []
+    size = 0
+    for part in parts:
+        view = byte_view(part)
+        while view.nbytes:
+            take = min(view.nbytes, limit - size)
+            group.append(view[:take])
+            size += take
+            view = view[take:]
+            if size == limit or len(group) == IOV_MAX:
+                yield group
+                group, size = [], 0
+    if group:
+        yield group
+
+
+def pwrite_all(fd: int, parts: list[memoryview], offset: int) -> None:
+    """Write ``parts`` in order from byte ``offset`` (at most ``IOV_MAX`` per
+    ``pwritev``), retrying short writes."""
     todo = [p for p in parts if p.nbytes]
     i = 0
     while i < len(todo):
-        n = os.writev(fd, todo[i : i + IOV_MAX])
+        n = os.pwritev(fd, todo[i : i + IOV_MAX], offset)
         if n == 0:
             raise OSError(errno.EIO, "write made no progress")
+        offset += n
         while i < len(todo) and n >= todo[i].nbytes:
             n -= todo[i].nbytes
             i += 1

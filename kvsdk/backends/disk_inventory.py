@@ -50,8 +50,7 @@ def _deadline(options: Any) -> Any:
         res = reader.run(lambda handoff: None if handoff.abandoned else fn())
         if res is TIMED_OUT or res is STALLED:
             raise TimeoutError(
-                f"{where} did not answer within {timeout:.1f} s (read_timeout; a hung "
-                "file system?)"
+                f"{where} did not answer within {timeout:.1f} s (read_timeout; a hung file system?)"
             )
         return res  # type: ignore[return-value]
 

@@ -223,7 +223,7 @@ def test_get_into_parts_reads_into_scattered_regions(tmp_path: Path) -> None:
 
 def test_more_parts_than_one_system_call_takes(tmp_path: Path) -> None:
     b = disk(tmp_path)
-    n = 2500  # > IOV_MAX (1024): several writev / readv calls
+    n = 2500  # > IOV_MAX (1024): several pwritev / readv calls
     data = payload(5, 4 * n)
     assert b.put_parts([(key(5), split(data, list(range(4, 4 * n, 4))))]) == [True]
     assert b.get([key(5)]) == [data]

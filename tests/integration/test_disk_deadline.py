@@ -5,7 +5,7 @@ stops answering (a miss, a dropped write, a clear error), the caller's thread is
 never stuck, the tier's threads stay a fixed set, and once the file system is
 back the tier serves again by itself (see docs/security.md).
 
-No file reachable without root blocks ``lstat``, ``scandir``, ``writev`` or
+No file reachable without root blocks ``lstat``, ``scandir``, ``pwritev`` or
 ``rename``, so, as in test_hostile_tiers.py, the block is injected at the
 system calls the tier makes, for the chosen real paths only (:class:`Hang`);
 everything else (files, frames, threads, locks) is real.
@@ -57,7 +57,7 @@ class Hang:
     :attr:`parts`, until :meth:`release`: an NFS server gone, then back.
     Functions taking a file descriptor match on the path it has open."""
 
-    FD_CALLS = ("read", "readv", "pread", "preadv", "writev", "fsync")
+    FD_CALLS = ("read", "readv", "pread", "preadv", "writev", "pwritev", "fsync")
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
         self.parts: set[str] = set()
@@ -179,13 +179,13 @@ def test_a_hung_exists_is_a_miss_within_its_deadline(
 def test_a_hung_write_is_dropped_within_its_deadline_and_its_temp_file_removed(
     tmp_path: Path, hang: Callable[..., Hang]
 ) -> None:
-    """A write whose ``writev`` hangs is a dropped write after ``read_timeout``
+    """A write whose ``pwritev`` hangs is a dropped write after ``read_timeout``
     (False, ``put_timeouts``), the rest of its batch is not attempted; other
     writes and reads go on meanwhile; when the file system is back the writer
     thread removes its temp file and ends the reservation, nothing of the
     dropped batch is published, and the same key can be stored again."""
     b = tier(tmp_path)
-    h = hang("writev")
+    h = hang("pwritev")
     h.parts = {key(1).hex()}
     batch = [(key(i), payload(i)) for i in (0, 1, 2)]
     got, took = within(TIMEOUT + 1.5, lambda: b.put(batch))
@@ -211,7 +211,7 @@ def test_writes_stall_at_once_while_every_writer_thread_is_held(
     tmp_path: Path, hang: Callable[..., Hang]
 ) -> None:
     b = tier(tmp_path, read_workers=1)
-    h = hang("writev")
+    h = hang("pwritev")
     h.parts = {key(1).hex()}
     assert within(TIMEOUT + 1.5, lambda: b.put([(key(1), payload(1))]))[0] == [False]
     got, _ = within(0.2, lambda: b.put([(key(2), payload(2))]))  # no thread left: at once
@@ -231,7 +231,7 @@ def test_a_long_batch_has_a_deadline_per_step_and_drops_the_rest_at_once(
     b = tier(tmp_path)
     n = 2 * WRITE_STEP + 5
     stuck = WRITE_STEP + 3  # in the second step
-    h = hang("writev")
+    h = hang("pwritev")
     h.parts = {key(stuck).hex()}
     got, took = within(TIMEOUT + 1.5, lambda: b.put([(key(i), payload(i)) for i in range(n)]))
     assert got == [True] * stuck + [False] * (n - stuck) and took >= TIMEOUT * 0.9

@@ -72,6 +72,45 @@ def test_header_then_payload_equals_encode_chunk() -> None:
     assert encode_header(NS, KEY, payload, "|u1", (300,)) + payload == frame(bytes(payload))
 
 
+@pytest.mark.parametrize("algorithm", [cf.CHECKSUM_XXH3_128, cf.CHECKSUM_BLAKE2B_128])
+def test_a_header_written_after_its_payload_pieces_equals_encode_header(algorithm: int) -> None:
+    """The disk tier writes the payload first, a piece at a time, and the header
+    last: pieces of any size give the frame ``encode_header`` gives at once."""
+    payload = memoryview(bytes(range(256)) * 40)
+    expected = encode_header(NS, KEY, payload, "|u1", (len(payload),), checksum=algorithm)
+    for size in (1, 7, 4096, len(payload)):
+        after = cf.HeaderAfterPayload(NS, KEY, len(payload), "|u1", (len(payload),),
+                                      checksum=algorithm)  # fmt: skip
+        for at in range(0, len(payload), size):
+            after.update(payload[at : at + size])
+        assert after.finish() == expected
+
+
+def test_a_macd_header_written_after_its_payload_verifies() -> None:
+    mac = bytes(range(32))
+    payload = memoryview(np.arange(1000, dtype=np.float32).tobytes())
+    after = cf.HeaderAfterPayload(NS, KEY, payload.nbytes, "<f4", (1000,), mac_key=mac)
+    after.update(payload[:1001])
+    after.update(payload[1001:])
+    buf = after.finish() + payload
+    assert bytes(decode_chunk(buf, namespace_fp=NS, key=KEY, mac_key=mac)) == bytes(payload)
+    flipped = bytearray(buf)
+    flipped[HEADER_SIZE + 2000] ^= 1
+    with pytest.raises(CorruptChunk):
+        decode_chunk(flipped, namespace_fp=NS, key=KEY, mac_key=mac)
+
+
+def test_a_header_after_too_few_or_too_many_payload_bytes_is_refused() -> None:
+    short = cf.HeaderAfterPayload(NS, KEY, 10, "|u1", (10,))
+    short.update(memoryview(bytes(9)))
+    with pytest.raises(ValueError, match="payload bytes"):
+        short.finish()
+    long = cf.HeaderAfterPayload(NS, KEY, 10, "|u1", (10,))
+    long.update(memoryview(bytes(11)))
+    with pytest.raises(ValueError, match="payload bytes"):
+        long.finish()
+
+
 def test_blake2b_checksum_frames_decode_too() -> None:
     buf = frame(b"x" * 1000, checksum=cf.CHECKSUM_BLAKE2B_128)
     assert parse_header(buf).checksum_algorithm == cf.CHECKSUM_BLAKE2B_128

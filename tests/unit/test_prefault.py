@@ -66,7 +66,9 @@ def test_the_cpu_tier_prefaults_by_default_and_not_when_told_so() -> None:
     for prefault in (True, False):
         name = segment_name(f"test-prefault-{uuid.uuid4()}")
         ctx = TierContext(
-            namespace_fp=bytes(16), namespace_hex="00" * 16, chunk_bytes=256 << 10,
+            namespace_fp=bytes(16),
+            namespace_hex="00" * 16,
+            chunk_bytes=256 << 10,
             slab=SlabRequest(name=name, regions=1),
         )
         tier = CPUBackend(CPUOptions(capacity=16 << 20, prefault=prefault), ctx)
