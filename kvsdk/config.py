@@ -128,6 +128,11 @@ class KVSDKConfig:
     up to a block (full-attention models; prompts named by token ids alone).
     Outputs then equal the engine's own one-token recompute, not a longer one's.
     ``false``: a hit stops at the last whole chunk, as the engine's own cache."""
+    prompt_tail_share: float = 0.125
+    """Share of the host tier prompt tails may hold, in (0, 1]: over it, the
+    oldest tail makes room for a new one. A tail takes a whole slot and serves
+    only an exact repeat of its prompt, where a whole chunk serves every prompt
+    that extends it: tails never crowd the chunks out of the tier."""
     eviction: str = "lru"
     """Eviction policy of the tiers that evict locally: ``lru``, ``arc`` or a plugin's."""
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -373,6 +378,11 @@ def _check(
     if cfg.max_load_tokens is not None and cfg.max_load_tokens <= 0:
         raise ConfigError(
             f"max_load_tokens: got {cfg.max_load_tokens}; expected a positive integer"
+        )
+    if not 0 < cfg.prompt_tail_share <= 1:
+        raise ConfigError(
+            f"prompt_tail_share: got {cfg.prompt_tail_share}; expected a share of the host "
+            "tier in (0, 1]"
         )
     if cfg.admission.min_lookups < 0:
         raise ConfigError(

@@ -116,6 +116,7 @@ def build_store(
         metrics=metrics or Metrics(),
         min_lookups=config.admission.min_lookups,
         tenant_quotas=config.tenant_quotas,
+        tail_share=config.prompt_tail_share,
         io_threads=config.io_threads,
     )
 

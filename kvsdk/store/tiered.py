@@ -8,7 +8,8 @@ Primitives, in the order an adapter calls them:
 - ``prepare_load(keys)``    host slots to copy from; entries pinned
 - ``complete_load(keys)``   unpin
 - ``prepare_store(keys)``   slots for the keys not yet stored (admission,
-                             eviction); None when there is no room
+                             eviction, the prompt tails' share); None when
+                             there is no room
 - ``complete_store(keys)``  entries become readable (or are dropped on failure)
                              and are written through to slower tiers
 - ``touch(keys)``           recency for eviction
@@ -33,7 +34,7 @@ import enum
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,6 +99,10 @@ class _IO:
     extra: dict[str, object] = field(default_factory=dict)
 
 
+TAIL_OWNER = "\0prompt tails"
+"""The host-tier owner prompt tails are reserved under (no tenant can be named so)."""
+
+
 class TieredStore:
     ABSENT_TTL_S = 1.0
     """A slow-tier miss is remembered this long (another instance may store it later)."""
@@ -114,6 +119,7 @@ class TieredStore:
         min_lookups: int = 0,
         io_threads: int = 4,
         tenant_quotas: Mapping[str, float] | Sequence[tuple[str, float]] | None = None,
+        tail_share: float = 1.0,
     ) -> None:
         self.host = host
         self.lower = tuple(lower)
@@ -122,6 +128,8 @@ class TieredStore:
         self.metrics = metrics or Metrics()
         self.min_lookups = min_lookups
         self.tenant_quotas = dict(tenant_quotas or {})
+        self.tail_slots = max(1, int(tail_share * host.num_slots))
+        """Host slots prompt tails may hold together (``prompt_tail_share``)."""
         self._lookup_counts: OrderedDict[ChunkKey, int] = OrderedDict()
         self._remote: dict[ChunkKey, _Remote] = {}
         self._to_query: list[ChunkKey] = []
@@ -230,22 +238,40 @@ class TieredStore:
         share = self.tenant_quotas.get(self.quota_account(tenant))
         return None if share is None else max(1, int(share * self.host.num_slots))
 
-    def prepare_store(self, keys: Sequence[ChunkKey], tenant: str = "") -> StorePlan | None:
-        """``tenant``'s account is charged for the new entries (see ``tenant_quotas``)."""
+    def prepare_store(
+        self, keys: Sequence[ChunkKey], tenant: str = "", tails: Collection[ChunkKey] = ()
+    ) -> StorePlan | None:
+        """``tenant``'s account is charged for the new entries (see ``tenant_quotas``).
+        The keys in ``tails`` (prompt tails) share ``tail_slots`` among themselves,
+        the oldest making room: the ones that get no slot are left out of the
+        plan; None only when the other keys do not fit."""
         tenant = self.quota_account(tenant) if self.tenant_quotas else ""
         new = self.host.absent(keys)
         if self.min_lookups:
             new = [k for k in new if self._lookup_counts.get(k, 0) >= self.min_lookups]
-        if not new:
+        new_tails = [k for k in new if k in tails] if tails else []
+        if new_tails:
+            new = [k for k in new if k not in tails]
+        if not new and not new_tails:
             return StorePlan((), ())
-        reserved = self.host.reserve(new, owner=tenant, limit=self.quota_slots(tenant))
+        reserved = (
+            self.host.reserve(new, owner=tenant, limit=self.quota_slots(tenant))
+            if new
+            else ([], [])
+        )
         if reserved is None:
             self.metrics.inc("kvsdk_allocation_failures_total")
             return None
         slots, evicted = reserved
+        if new_tails:
+            got = self.host.reserve(new_tails, owner=TAIL_OWNER, limit=self.tail_slots)
+            if got is not None:
+                new, slots, evicted = [*new, *new_tails], [*slots, *got[0]], [*evicted, *got[1]]
         if evicted:
             self.metrics.inc("kvsdk_evictions_total", len(evicted), tier=0)
             self._record(EventKind.REMOVED, evicted, 0)
+        if not new:
+            return StorePlan((), ())
         if self._remote:
             for key in new:
                 self._remote.pop(key, None)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import hashlib
 
-from kvsdk.config import load_config
+import pytest
+
+from kvsdk.config import ConfigError, load_config
 from kvsdk.keys import GroupLayout, Namespace
 from kvsdk.scheduler import OffloadScheduler, WorkerResult
 from kvsdk.store.factory import build_store
@@ -156,3 +158,29 @@ def test_a_tier_without_room_for_chunks_and_tail_at_once_stores_what_fits() -> N
     assert copied == [1, 2]  # the whole chunks; no room left for the tail
     s.worker_results([WorkerResult(j.job_id) for j in jobs.stores])
     assert serve(s, "b", PROMPT) == 8
+
+
+def test_tails_hold_at_most_their_share_of_the_host_tier_and_never_crowd_out_chunks() -> None:
+    """A 16-slot host tier, ``prompt_tail_share: 0.125``: two slots for tails.
+    Six prompts (each two whole chunks and a tail) all keep their chunks; only
+    the last two keep their tails, the older tails made room for the newer."""
+    ns = Namespace("m", "float32", (GroupLayout((2, TPB, 1, 8), "float32"),), TPB)
+    cfg = load_config(
+        {"tiers": [{"backend": "cpu", "capacity": 16 * 256}], "prompt_tail_share": 0.125}
+    )
+    store = build_store(cfg, ns, 256)
+    s = OffloadScheduler([KVGroupSpec(0, GroupKind.FULL_ATTENTION, TPB, 1)], ns, store)
+    assert (store.host.num_slots, store.tail_slots) == (16, 2)
+    prompts = [[p * 20 + t for t in range(11)] for p in range(6)]
+    for p, prompt in enumerate(prompts):
+        assert serve(s, f"w{p}", prompt) == 0
+        run_prefill(s, f"w{p}", prompt, [3 * p + 1, 3 * p + 2, 3 * p + 3])
+    assert store.host.num_used == 6 * 2 + 2
+    served = [serve(s, f"r{p}", prompt) for p, prompt in enumerate(prompts)]
+    assert served == [8, 8, 8, 8, 11, 11]  # every whole chunk; the two newest tails
+
+
+def test_prompt_tail_share_outside_zero_to_one_is_refused() -> None:
+    for bad in (0, -0.5, 1.5):
+        with pytest.raises(ConfigError, match=r"prompt_tail_share: got .*expected a share"):
+            load_config({"prompt_tail_share": bad})
