@@ -22,7 +22,8 @@ pytestmark = pytest.mark.integration
 CONFIGS = ("none", "kvsdk", "native")
 FIELDS = {
     "ttft_p50_ms", "ttft_p99_ms", "queued_p50_ms", "prefill_p50_ms", "throughput_tok_s",
-    "cached_tokens", "prompt_tokens", "requests", "load_avg_1m",
+    "cached_tokens", "prompt_tokens", "requests", "load_avg_1m", "engine_ttft_p50_ms",
+    "pickup_p50_ms", "pickup_mean_ms",
 }  # fmt: skip
 
 
@@ -49,6 +50,9 @@ def test_bench_serve_runs_every_configuration_end_to_end(tmp_path: Path) -> None
         for c, row in rows.items():
             assert set(row) >= FIELDS, (c, reuse, sorted(row))
             assert row["requests"] == 4 and row["throughput_tok_s"] > 0
+            # the engine-side TTFT is the end-to-end one less the wait to be taken in
+            assert 0 < row["engine_ttft_p50_ms"] <= row["ttft_p99_ms"]
+            assert 0 <= row["pickup_p50_ms"] < row["ttft_p99_ms"]
         assert len({row["prompt_tokens"] for row in rows.values()}) == 1  # one workload
     for c in CONFIGS:
         assert results[c]["0.0"]["cached_tokens"] == 0  # fresh conversations only
@@ -57,4 +61,6 @@ def test_bench_serve_runs_every_configuration_end_to_end(tmp_path: Path) -> None
         ratios = r["over_none"][c]["0.0"]
         assert len(ratios["throughput_per_pass"]) == 2  # both orders
         assert all(x > 0 for x in ratios["throughput_per_pass"])
+        assert len(ratios["engine_ttft_p50_per_pass"]) == 2
+        assert len(r["runs"][c]) == 2 and set(r["runs"][c][0]) == {"0.0", "0.5"}
     assert set(r["cost_at_zero_reuse"]) == {"kvsdk", "native"}
