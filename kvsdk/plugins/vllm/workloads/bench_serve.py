@@ -437,7 +437,7 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--reuse", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 0.9])
     ap.add_argument("--users", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kvsdk-config", default="{}")
     args = ap.parse_args()
