@@ -252,6 +252,7 @@ class TieredStore:
         new_tails = [k for k in new if k in tails] if tails else []
         if new_tails:
             new = [k for k in new if k not in tails]
+            new_tails = new_tails[-self.tail_slots :]  # more than the share at once: the last
         if not new and not new_tails:
             return StorePlan((), ())
         reserved = (

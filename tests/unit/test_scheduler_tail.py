@@ -184,3 +184,25 @@ def test_prompt_tail_share_outside_zero_to_one_is_refused() -> None:
     for bad in (0, -0.5, 1.5):
         with pytest.raises(ConfigError, match=r"prompt_tail_share: got .*expected a share"):
             load_config({"prompt_tail_share": bad})
+
+
+def test_more_tails_in_one_step_than_their_share_store_the_last_ones() -> None:
+    """Three prompts computed in one step, room for two tails: two are stored
+    (not none, as a reservation of all three past the share would give)."""
+    ns = Namespace("m", "float32", (GroupLayout((2, TPB, 1, 8), "float32"),), TPB)
+    cfg = load_config(
+        {"tiers": [{"backend": "cpu", "capacity": 16 * 256}], "prompt_tail_share": 0.125}
+    )
+    store = build_store(cfg, ns, 256)
+    s = OffloadScheduler([KVGroupSpec(0, GroupKind.FULL_ATTENTION, TPB, 1)], ns, store)
+    prompts = [[p * 20 + t for t in range(11)] for p in range(3)]
+    for p, prompt in enumerate(prompts):
+        assert serve(s, f"w{p}", prompt) == 0
+    jobs = s.build_step(
+        computed_after_step={f"w{p}": 11 for p in range(3)},
+        new_block_ids={f"w{p}": [[3 * p + 1, 3 * p + 2, 3 * p + 3]] for p in range(3)},
+        replace_block_ids=[f"w{p}" for p in range(3)],
+    )
+    s.worker_results([WorkerResult(j.job_id) for j in jobs.stores])
+    assert store.host.num_used == 3 * 2 + 2
+    assert [serve(s, f"r{p}", prompt) for p, prompt in enumerate(prompts)] == [8, 11, 11]
