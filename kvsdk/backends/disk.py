@@ -851,16 +851,15 @@ class DiskBackend(Backend):
             if handoff.abandoned:  # past the deadline: the rest not attempted
                 return
             self._ensure_checked()
+            shape: tuple[int, ...]
             if isinstance(value, list):  # from put_parts: flat byte views
                 parts: list[memoryview] = value
                 nbytes = sum(p.nbytes for p in parts)
-                frame = HeaderAfterPayload(
-                    self._ns, key, nbytes, "|u1", (nbytes,), mac_key=self._mac
-                )
+                dtype, shape = "|u1", (nbytes,)  # as join() of the parts would be
             else:
                 flat, dtype, shape = as_payload(value)
                 parts, nbytes = [flat], flat.nbytes
-                frame = HeaderAfterPayload(self._ns, key, nbytes, dtype, shape, mac_key=self._mac)
+            frame = HeaderAfterPayload(self._ns, key, nbytes, dtype, shape, mac_key=self._mac)
             outcome = self._write_one(self._path(key), key, frame, parts, HEADER_SIZE + nbytes,
                                       handoff)  # fmt: skip
             if outcome == "abandoned" or not handoff.deliver(partial(_append, outcome)):

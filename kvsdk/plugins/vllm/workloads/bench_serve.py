@@ -216,8 +216,8 @@ def _run_reuses(
         results[str(reuse)] = {
             "ttft_p50_ms": 1e3 * statistics.median(ttfts),
             "ttft_p99_ms": 1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-            "queued_p50_ms": 1e3 * statistics.median(queued) if queued else float("nan"),
-            "prefill_p50_ms": 1e3 * statistics.median(prefill) if prefill else float("nan"),
+            "queued_p50_ms": _p50_ms(queued),
+            "prefill_p50_ms": _p50_ms(prefill),
             "engine_ttft_p50_ms": _p50_ms(engine_ttft),
             "pickup_p50_ms": _p50_ms(pickup),
             "pickup_mean_ms": 1e3 * statistics.fmean(pickup) if pickup else float("nan"),
