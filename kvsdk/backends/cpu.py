@@ -8,7 +8,7 @@ allocation ever happens on the hot path.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -80,6 +80,11 @@ class CPUBackend(HostTier):
         self._pins: dict[ChunkKey, int] = {}
         self._owner: dict[ChunkKey, str] = {}
         self._usage: Counter[str] = Counter()
+        self._owned: dict[str, OrderedDict[ChunkKey, None]] = {}
+        """Per owner ever reserved for with a limit (a tenant with a quota, the
+        prompt tails), its readable entries, least recently used first: one at
+        its limit finds its own victims at the front instead of scanning the
+        whole eviction order for them."""
         factory = context.policy_factory
         self._policy: EvictionPolicy = factory(capacity=n) if factory else LRUPolicy()
         self.evictions = 0
@@ -126,12 +131,18 @@ class CPUBackend(HostTier):
         if limit is not None and len(keys) > limit:
             return None
         over = len(keys) + self._usage[owner] - limit if limit is not None else 0
-        own: list[ChunkKey] = []
-        if over > 0:  # the tenant is at its quota: it makes room from its own entries
-            own = self._policy.victims(
-                over, lambda k: self._owner.get(k) == owner and self._can_evict(k)
+        if limit is not None and owner not in self._owned:
+            self._owned[owner] = OrderedDict.fromkeys(
+                k for k in self._policy.candidates() if self._owner.get(k) == owner
             )
-            if len(own) < over:
+        own: list[ChunkKey] = []
+        if over > 0:  # the owner is at its limit: it makes room from its own entries
+            for k in self._owned[owner]:
+                if k not in self._pins:
+                    own.append(k)
+                    if len(own) == over:
+                        break
+            else:
                 return None
         shortfall = len(keys) - len(self._free) - len(own)
         others: list[ChunkKey] = []
@@ -172,6 +183,11 @@ class CPUBackend(HostTier):
         insert = self._policy.insert
         for key in writing:
             insert(key)
+        if self._owned:
+            for key in writing:
+                owned = self._owned.get(self._owner[key])
+                if owned is not None:
+                    owned[key] = None
         return writing
 
     def pin(self, keys: Sequence[ChunkKey]) -> None:
@@ -188,14 +204,23 @@ class CPUBackend(HostTier):
                 self._pins.pop(key, None)
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
+        touch = self._policy.touch
         for key in keys:
-            self._policy.touch(key)
+            touch(key)
+        if self._owned:
+            for key in keys:
+                owned = self._owned.get(self._owner.get(key, ""))
+                if owned is not None and key in owned:
+                    owned.move_to_end(key)
 
     def _drop(self, key: ChunkKey) -> None:
         owner = self._owner.pop(key, "")
         self._usage[owner] -= 1
         if not self._usage[owner]:
             del self._usage[owner]
+        owned = self._owned.get(owner)
+        if owned is not None:
+            owned.pop(key, None)
         slot = self._slot.pop(key)
         self._state.pop(key, None)
         self._length.pop(key, None)
@@ -246,6 +271,8 @@ class CPUBackend(HostTier):
         """Drop every entry but those in ``keep`` (slots in-flight I/O still uses:
         they stay unreadable and are dropped when that I/O ends)."""
         keep = set(keep)
+        for owned in self._owned.values():
+            owned.clear()  # kept entries are never readable again
         for key in list(self._slot):
             if key in keep:
                 self._policy.remove(key)

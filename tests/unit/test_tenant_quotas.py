@@ -45,6 +45,25 @@ def test_a_tenant_over_its_share_evicts_only_its_own_chunks() -> None:
     assert s.lookup(k("greedy", 0)) is LookupResult.MISS  # type: ignore[attr-defined]
 
 
+def test_a_tenant_at_its_share_gives_up_its_least_recently_used_entry_never_a_pinned_one() -> None:
+    s = store_for({"t": 0.15})  # 3 of 20 slots
+    assert put(s, "calm", [k("calm", i) for i in range(10)])
+    assert put(s, "t", [k("t", i) for i in range(3)])
+    host = s.host  # type: ignore[attr-defined]
+    s.touch([k("t", 0)])  # type: ignore[attr-defined]  # t:1 is now its least recently used
+    host.pin([k("t", 1)])  # ...but a load reads it: t:2 goes
+    assert put(s, "t", [k("t", 3)])
+    assert [s.lookup(k("t", i)) is LookupResult.HIT for i in range(4)] == [True, True, False, True]  # type: ignore[attr-defined]
+    host.unpin([k("t", 1)])
+    assert put(s, "t", [k("t", 4)])
+    assert s.lookup(k("t", 1)) is LookupResult.MISS  # type: ignore[attr-defined]
+    host.pin([k("t", 0)])
+    host.pin([k("t", 3)])
+    host.pin([k("t", 4)])
+    assert not put(s, "t", [k("t", 5)])  # all its own are pinned: refused, nobody else evicted
+    assert all(s.lookup(k("calm", i)) is LookupResult.HIT for i in range(10))  # type: ignore[attr-defined]
+
+
 def test_star_applies_to_unlisted_tenants_and_a_batch_larger_than_the_share_is_refused() -> None:
     s = store_for({"*": 0.1, "vip": 1.0})  # 2 slots for everyone but vip
     assert put(s, "t1", [k("t1", 0), k("t1", 1)])
