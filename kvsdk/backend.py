@@ -259,6 +259,18 @@ class HostTier(Backend):
             i += 1
         return i
 
+    def pin_readable(self, keys: Sequence[ChunkKey]) -> list[int]:
+        """A load's start: the slot of each readable key, pinned and touched
+        (``slot_of``, ``pin`` and ``touch`` in one call)."""
+        slots = []
+        for key in keys:
+            slot = self.slot_of(key)
+            assert slot is not None, "pin_readable() of a chunk that is not readable"
+            slots.append(slot)
+        self.pin(keys)
+        self.touch(keys)
+        return slots
+
     @abstractmethod
     def contains(self, key: ChunkKey) -> bool:
         """Readable or being written (a store for it is in flight)."""

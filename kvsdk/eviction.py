@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
 
 from kvsdk.hooks import hookimpl
@@ -29,6 +29,16 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def touch(self, key: ChunkKey) -> None:
         """A resident key was used (hit, load, re-store)."""
+
+    def touch_many(self, keys: Iterable[ChunkKey]) -> None:
+        """``touch`` of each key, in order (a policy may do it in one loop)."""
+        for key in keys:
+            self.touch(key)
+
+    def insert_many(self, keys: Iterable[ChunkKey]) -> None:
+        """``insert`` of each key, in order."""
+        for key in keys:
+            self.insert(key)
 
     @abstractmethod
     def remove(self, key: ChunkKey) -> None:
@@ -74,6 +84,20 @@ class LRUPolicy(EvictionPolicy):
     def touch(self, key: ChunkKey) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+
+    def touch_many(self, keys: Iterable[ChunkKey]) -> None:
+        order = self._order
+        move = order.move_to_end
+        for key in keys:
+            if key in order:
+                move(key)
+
+    def insert_many(self, keys: Iterable[ChunkKey]) -> None:
+        order = self._order
+        move = order.move_to_end
+        for key in keys:
+            order[key] = None
+            move(key)
 
     def remove(self, key: ChunkKey) -> None:
         self._order.pop(key, None)

@@ -114,6 +114,16 @@ class CPUBackend(HostTier):
             i += 1
         return i
 
+    def pin_readable(self, keys: Sequence[ChunkKey]) -> list[int]:
+        state, slot_of, pins = self._state, self._slot, self._pins
+        slots = []
+        for key in keys:
+            assert state.get(key) == _READY, "pin_readable() of a chunk that is not readable"
+            slots.append(slot_of[key])
+            pins[key] = pins.get(key, 0) + 1
+        self.touch(keys)
+        return slots
+
     def contains(self, key: ChunkKey) -> bool:
         return key in self._slot
 
@@ -180,9 +190,7 @@ class CPUBackend(HostTier):
                 self._drop(key)
             return []
         state.update(dict.fromkeys(writing, _READY))
-        insert = self._policy.insert
-        for key in writing:
-            insert(key)
+        self._policy.insert_many(writing)
         if self._owned:
             for key in writing:
                 owned = self._owned.get(self._owner[key])
@@ -204,12 +212,11 @@ class CPUBackend(HostTier):
                 self._pins.pop(key, None)
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
-        touch = self._policy.touch
-        for key in keys:
-            touch(key)
+        self._policy.touch_many(keys)
         if self._owned:
+            owner_of, owned_by = self._owner.get, self._owned.get
             for key in keys:
-                owned = self._owned.get(self._owner.get(key, ""))
+                owned = owned_by(owner_of(key, ""))
                 if owned is not None and key in owned:
                     owned.move_to_end(key)
 

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvsdk.events import EventOrigin, KVEvent
-from kvsdk.keys import Namespace, chunk_keys, epoch_fingerprint, token_chunk_hashes
+from kvsdk.keys import Namespace, chunk_key, epoch_fingerprint, token_chunk_hashes
 from kvsdk.ledger import JobLedger
 from kvsdk.metrics import Metrics
 from kvsdk.planner import LookupPlanner, PlanRequest
@@ -24,6 +24,10 @@ from kvsdk.scheduler.tail import (
 from kvsdk.store.tiered import TieredStore
 from kvsdk.transfer import BlockCopies, Direction, TransferJob
 from kvsdk.types import ChunkKey, GroupKind, KVGroupSpec, ReqId, ReqKey
+
+
+KEY_CACHE_ENTRIES = 1 << 16
+"""Engine hashes whose keys each group remembers (~10 MiB at most; cleared when full)."""
 
 
 class OffloadScheduler:
@@ -85,8 +89,8 @@ class OffloadScheduler:
         self._being_loaded: dict[ChunkKey, int] = {}
         """Chunks that loads in flight copy out of, with how many loads do."""
         self._step_loads: list[TransferJob] = []
-        self._load_blocks: dict[int, frozenset[int]] = {}
-        """Engine blocks each load job writes (reported back if the load fails)."""
+        self._load_jobs: dict[int, TransferJob] = {}
+        """Load jobs in flight (the engine blocks of a failed one are reported back)."""
         self._loading_requests: set[ReqKey] = set()
         self._awaiting_final_store: set[ReqKey] = set()
         self.store_due: dict[ReqKey, int] = {}
@@ -94,6 +98,9 @@ class OffloadScheduler:
         (inside the prompt: the next chunk's end; past it, ``DECODE_STORE_CHUNKS``
         chunks later). An adapter may leave requests below it out of
         ``computed_after_step`` (most requests on most steps): read-only."""
+        self._key_cache: list[dict[bytes, ChunkKey]] = [{} for _ in self.groups]
+        """Per group, the key of each engine hash derived lately: requests sharing
+        a prefix (most of them, where anything is reused) derive its keys once."""
         self._sync_delay = self.metrics.histogram("kvsdk_lookup_delay_seconds", kind="sync")
         self._sync_delays: list[float] = []
         self._hit_tokens = 0
@@ -201,7 +208,14 @@ class OffloadScheduler:
             if first >= n_hash // per:
                 continue
             hashes = r.hashes[first * per + per - 1 : (n_hash // per) * per : per]
-            keys.extend(chunk_keys(self.ns_fp, hashes, g.index))
+            cache = self._key_cache[gi]
+            if len(cache) > KEY_CACHE_ENTRIES:
+                cache.clear()
+            for h in hashes:
+                k = cache.get(h)
+                if k is None:
+                    k = cache[h] = chunk_key(self.ns_fp, h, g.index)
+                keys.append(k)
             if events.enabled:  # events name chunks by the engine's hashes
                 for c, h in enumerate(hashes, first):
                     events.annotate(keys[c], EventOrigin(g.index, c, h))
@@ -310,22 +324,25 @@ class OffloadScheduler:
             )
         end = r.num_computed_local + num_external_tokens
         keys, per_group = load_copies(r, self.groups, end)
-        slots = dict(zip(keys, self.store.prepare_load(keys)))
+        slots = self.store.prepare_load(keys)
+        slot_of = dict(zip(keys, slots)).__getitem__
         copies = tuple(
             BlockCopies(
-                group=self.groups[gi].index,
-                engine_blocks=eb,
-                slots=[slots[r.chunk_key(gi, c)] for c in chunks],
-                offsets=offs,
+                self.groups[gi].index,
+                eb,
+                slots if len(per_group) == 1 and len(bkeys) == len(keys) else list(map(slot_of, bkeys)),
+                offs,
             )
-            for gi, eb, chunks, offs in per_group
+            for gi, eb, bkeys, offs in per_group
         )
         job_id = self.ledger.add_load(req_id, keys)
         self._loading_requests.add(req_id)
-        self._step_loads.append(TransferJob(job_id, Direction.LOAD, copies))
-        self._load_blocks[job_id] = frozenset(b for _, eb, _, _ in per_group for b in eb)
+        job = TransferJob(job_id, Direction.LOAD, copies)
+        self._step_loads.append(job)
+        self._load_jobs[job_id] = job
+        being_loaded = self._being_loaded
         for k in keys:
-            self._being_loaded[k] = self._being_loaded.get(k, 0) + 1
+            being_loaded[k] = being_loaded.get(k, 0) + 1
         for gi, g in enumerate(self.groups):  # loaded chunks need no store
             r.next_store_chunk[gi] = max(r.next_store_chunk[gi], end // g.tokens_per_chunk)
         self._set_next_store(r)
@@ -463,7 +480,7 @@ class OffloadScheduler:
                 if job.failed:
                     self.metrics.inc("kvsdk_failed_jobs_total", direction="store")
             else:
-                blocks = self._load_blocks.pop(job.job_id)
+                load = self._load_jobs.pop(job.job_id)
                 self._loading_requests.discard(job.req_id)
                 self.store.complete_load(job.keys)
                 for k in job.keys:
@@ -474,7 +491,7 @@ class OffloadScheduler:
                         self._being_loaded.pop(k, None)
                 if job.failed:
                     self.metrics.inc("kvsdk_failed_jobs_total", direction="load")
-                    failed_blocks |= blocks
+                    failed_blocks.update(b for c in load.copies for b in c.engine_blocks)
                     # never offer chunks that just failed to load again: they are misses now
                     self.store.discard(job.keys)
             r = self._requests.get(job.req_id)
@@ -550,6 +567,8 @@ class OffloadScheduler:
         tiers keep every entry for the other instances (a full wipe is
         ``kvsdk clear``)."""
         self.ns_fp = epoch_fingerprint(self.namespace.fingerprint, os.urandom(16))
+        for cache in self._key_cache:
+            cache.clear()  # the old epoch's keys
         self._resets += 1
         flush = self.ledger.reset()
         # finished requests store nothing more: their KV predates the reset
@@ -565,7 +584,7 @@ class OffloadScheduler:
             self._set_next_store(r)
         # loads still in flight keep their slots pinned until they complete
         self._being_loaded.clear()
-        self._load_blocks.clear()
+        self._load_jobs.clear()
         self._loading_requests.clear()
         self.store.reset()
         return frozenset(flush)

@@ -59,8 +59,8 @@ class StoreCopies(NamedTuple):
 class LoadCopies(NamedTuple):
     keys: list[ChunkKey]
     """Chunks the load reads, once each."""
-    per_group: list[tuple[int, list[int], list[int], list[int]]]
-    """Per group: ``(group position, engine blocks, chunk of each, offset in it)``."""
+    per_group: list[tuple[int, list[int], list[ChunkKey], list[int]]]
+    """Per group: ``(group position, engine blocks, chunk key of each, offset in it)``."""
 
 
 def chunks_to_store(
@@ -134,21 +134,27 @@ def load_copies(r: RequestState, groups: Sequence[KVGroupSpec], end: int) -> Loa
     """The engine blocks each group needs filled to continue at ``end`` tokens
     from ``r.num_computed_local`` (null blocks skipped), and their chunks."""
     keys: list[ChunkKey] = []
-    per_group: list[tuple[int, list[int], list[int], list[int]]] = []
+    per_group: list[tuple[int, list[int], list[ChunkKey], list[int]]] = []
     for gi, g in enumerate(groups):
         tpb, bpc = g.tokens_per_block, g.blocks_per_chunk
-        first_block = cdiv(r.num_computed_local, tpb)
         needed = g.needed_chunks(r.num_computed_local, end)
-        first_block = max(first_block, needed.start * bpc)
-        eb, chunks, offs = [], [], []
-        for b in range(first_block, cdiv(end, tpb)):
-            bid = r.block_ids[gi][b]
-            if bid == 0:
+        first = max(cdiv(r.num_computed_local, tpb), needed.start * bpc)
+        stop = cdiv(end, tpb)
+        ids = r.block_ids[gi]
+        whole = r.keys[gi][first:stop]
+        if bpc == 1 and len(whole) >= stop - first - 1 and 0 not in ids[first:stop]:
+            # a block per chunk, none skipped: the chunks' keys (and the tail's) as they are
+            gkeys = whole if len(whole) == stop - first else [*whole, r.chunk_key(gi, stop - 1)]
+            keys += gkeys
+            per_group.append((gi, ids[first:stop], gkeys, [0] * len(gkeys)))
+            continue
+        eb, bkeys, offs = [], [], []
+        for b in range(first, stop):
+            if ids[b] == 0:
                 continue
-            eb.append(bid)
-            chunks.append(b // bpc)
+            eb.append(ids[b])
+            bkeys.append(r.chunk_key(gi, b // bpc))
             offs.append(b % bpc)
-        for c in dict.fromkeys(chunks):
-            keys.append(r.chunk_key(gi, c))
-        per_group.append((gi, eb, chunks, offs))
+        keys += dict.fromkeys(bkeys)
+        per_group.append((gi, eb, bkeys, offs))
     return LoadCopies(keys, per_group)

@@ -213,14 +213,7 @@ class TieredStore:
 
     # -- loads ---------------------------------------------------------------------------
     def prepare_load(self, keys: Sequence[ChunkKey]) -> list[int]:
-        slots = []
-        for key in keys:
-            slot = self.host.slot_of(key)
-            assert slot is not None, "prepare_load() of a chunk that is not readable"
-            slots.append(slot)
-        self.host.pin(keys)
-        self.host.touch(keys)
-        return slots
+        return self.host.pin_readable(keys)
 
     def complete_load(self, keys: Sequence[ChunkKey]) -> None:
         self.host.unpin(keys)
