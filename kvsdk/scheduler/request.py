@@ -12,7 +12,7 @@ from kvsdk.transfer import BlockCopies
 from kvsdk.types import ChunkKey, GroupKind, KVGroupSpec, ReqKey, cdiv
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     req_id: ReqKey
     num_prompt_tokens: int

@@ -34,8 +34,8 @@ class StoreJobs:
         finishing in this step is one job, one ledger entry, one completion."""
         tails = [r for r in tails if r.tail and tail_blocks_ready(r.tail, self.groups, r.block_ids)]
         keys = [k for _, _, ks in found for k in ks]
-        tail_keys = dict.fromkeys(k for r in tails if r.tail for k in r.tail.keys)
-        plan = self.store.prepare_store([*keys, *tail_keys], tenant, tails=tail_keys.keys())
+        tail_keys = [k for r in tails if r.tail for k in r.tail.keys]
+        plan = self.store.prepare_store(keys, tenant, tails=tail_keys)
         if plan is None:  # the tier cannot take them all at once: one part at a time
             parts = _per_request(found, tails)
             if len(parts) == 1:  # one request: each chunk candidate, then its tail

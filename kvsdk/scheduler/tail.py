@@ -34,7 +34,7 @@ TAIL_DOMAIN = b"kvsdk prompt tail v1"
 """Mixed into a tail's hash: a tail never shares a key with a whole chunk."""
 
 
-@dataclass
+@dataclass(slots=True)
 class PromptTail:
     start: int
     """First token of the tail: the end of the prompt's last whole chunk."""

@@ -232,20 +232,20 @@ class TieredStore:
         return None if share is None else max(1, int(share * self.host.num_slots))
 
     def prepare_store(
-        self, keys: Sequence[ChunkKey], tenant: str = "", tails: Collection[ChunkKey] = ()
+        self, keys: Sequence[ChunkKey], tenant: str = "", tails: Sequence[ChunkKey] = ()
     ) -> StorePlan | None:
         """``tenant``'s account is charged for the new entries (see ``tenant_quotas``).
-        The keys in ``tails`` (prompt tails) share ``tail_slots`` among themselves,
-        the oldest making room: the ones that get no slot are left out of the
-        plan; None only when the other keys do not fit."""
+        ``tails`` (prompt tails, apart from ``keys``) share ``tail_slots`` among
+        themselves, the oldest making room: the ones that get no slot are left
+        out of the plan; None only when ``keys`` do not fit."""
         tenant = self.quota_account(tenant) if self.tenant_quotas else ""
         new = self.host.absent(keys)
+        new_tails = self.host.absent(tails)[-self.tail_slots :] if tails else []
+        # (more tails than their share at once: the last ones)
         if self.min_lookups:
-            new = [k for k in new if self._lookup_counts.get(k, 0) >= self.min_lookups]
-        new_tails = [k for k in new if k in tails] if tails else []
-        if new_tails:
-            new = [k for k in new if k not in tails]
-            new_tails = new_tails[-self.tail_slots :]  # more than the share at once: the last
+            counts = self._lookup_counts
+            new = [k for k in new if counts.get(k, 0) >= self.min_lookups]
+            new_tails = [k for k in new_tails if counts.get(k, 0) >= self.min_lookups]
         if not new and not new_tails:
             return StorePlan((), ())
         reserved = (
