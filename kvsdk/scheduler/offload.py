@@ -25,7 +25,6 @@ from kvsdk.store.tiered import TieredStore
 from kvsdk.transfer import BlockCopies, Direction, TransferJob
 from kvsdk.types import ChunkKey, GroupKind, KVGroupSpec, ReqId, ReqKey
 
-
 KEY_CACHE_ENTRIES = 1 << 16
 """Engine hashes whose keys each group remembers (~10 MiB at most; cleared when full)."""
 
@@ -330,7 +329,9 @@ class OffloadScheduler:
             BlockCopies(
                 self.groups[gi].index,
                 eb,
-                slots if len(per_group) == 1 and len(bkeys) == len(keys) else list(map(slot_of, bkeys)),
+                slots
+                if len(per_group) == 1 and len(bkeys) == len(keys)
+                else list(map(slot_of, bkeys)),
                 offs,
             )
             for gi, eb, bkeys, offs in per_group

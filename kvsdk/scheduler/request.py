@@ -142,7 +142,12 @@ def load_copies(r: RequestState, groups: Sequence[KVGroupSpec], end: int) -> Loa
         stop = cdiv(end, tpb)
         ids = r.block_ids[gi]
         whole = r.keys[gi][first:stop]
-        if bpc == 1 and len(whole) >= stop - first - 1 and 0 not in ids[first:stop]:
+        if (
+            bpc == 1
+            and len(whole) >= stop - first - 1
+            and len(ids) >= stop
+            and 0 not in ids[first:stop]
+        ):
             # a block per chunk, none skipped: the chunks' keys (and the tail's) as they are
             gkeys = whole if len(whole) == stop - first else [*whole, r.chunk_key(gi, stop - 1)]
             keys += gkeys
