@@ -55,8 +55,13 @@ def _tail_tokens(req: Request) -> list[int] | None:
     return req.prompt_token_ids
 
 
+_NO_SALT = b"salt=\0lora="
+
+
 def _tail_salt(req: Request) -> bytes:
     """What else vLLM's block hashes mix in that changes a prompt's KV."""
+    if not req.cache_salt and req.lora_request is None:
+        return _NO_SALT  # (most requests: no string built)
     lora = req.lora_request.lora_name if req.lora_request is not None else ""
     return f"salt={req.cache_salt or ''}\0lora={lora}".encode()
 
@@ -125,6 +130,7 @@ class SchedulerSide:
             # before handle_preemptions: a flushed store may read rewritten bytes
             blocks_rewritten_before_flush=bool(getattr(vllm_config, "use_v2_model_runner", False)),
         )
+        self._prompt_tail = layout.config.prompt_tail
         self.requests: dict[str, Request] = {}
         """Requests vLLM may schedule (a finished one leaves at its finish)."""
         self._finished_tokens: dict[str, int] = {}
@@ -191,8 +197,8 @@ class SchedulerSide:
                 num_prompt_tokens=request.num_prompt_tokens,
                 block_hashes=request.block_hashes,
                 tenant=request.cache_salt or "",
-                prompt_token_ids=_tail_tokens(request) if self.layout.config.prompt_tail else None,
-                tail_salt=_tail_salt(request),
+                prompt_token_ids=_tail_tokens(request) if self._prompt_tail else None,
+                tail_salt=_tail_salt(request) if self._prompt_tail else b"",
             )
         else:  # e.g. preempted and waiting again, having grown
             self.core.hashes_grew(rid, request.block_hashes)
