@@ -19,6 +19,7 @@ the scheduler side is easier to judge here first; the comparison with
 vLLM's native connector stays ``bench_vllm_connector.py``'s.
 
     python benchmarks/profile_scheduler_hooks.py [--waves 4] [--requests 64] [--repeats 3] [--profile]
+        [--kvsdk-config '{"prompt_tail": false}']
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import pstats
 import random
 import tempfile
@@ -55,7 +57,9 @@ LAYERS, KV_HEADS, HEAD = 8, 8, 64
 TIER_BYTES = 2 << 30  # room for the whole trace: both connectors hit every prefix
 
 
-def build_scheduler(model_dir: str, num_blocks: int, connector: str) -> Scheduler:
+def build_scheduler(
+    model_dir: str, num_blocks: int, connector: str, kvsdk_config: dict[str, Any]
+) -> Scheduler:
     write_llama_config(
         model_dir,
         hidden_size=1024,
@@ -70,7 +74,8 @@ def build_scheduler(model_dir: str, num_blocks: int, connector: str) -> Schedule
     return model_free_scheduler(
         model_dir,
         engine_id=f"profile-{uuid.uuid4()}",
-        kvsdk_config={"tiers": [{"backend": "cpu", "capacity": TIER_BYTES}]},  # else defaults
+        # else defaults
+        kvsdk_config={"tiers": [{"backend": "cpu", "capacity": TIER_BYTES}], **kvsdk_config},
         native_bytes=TIER_BYTES if connector == "native" else None,
         block_size=BLOCK,
         num_blocks=num_blocks,
@@ -138,7 +143,9 @@ def worker_output(meta: Any, done: Done) -> tuple[Done, KVConnectorOutput | None
 
 def run_trace(connector: str, args: argparse.Namespace, prof: cProfile.Profile | None) -> Result:
     with tempfile.TemporaryDirectory() as model_dir:
-        sched = build_scheduler(model_dir, num_blocks=2000, connector=connector)
+        sched = build_scheduler(
+            model_dir, num_blocks=2000, connector=connector, kvsdk_config=args.kvsdk_config
+        )
     freeze_gc_heap()  # as vLLM's EngineCore does once it is built
     spent: dict[str, float] = {}
     timed_hooks(sched.connector, spent, prof)
@@ -234,6 +241,12 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=1, help="runs of each connector, alternating")
     ap.add_argument("--profile", action="store_true", help="cProfile kvsdk's hooks (slower)")
+    ap.add_argument(
+        "--kvsdk-config",
+        type=json.loads,
+        default={},
+        help="kvsdk settings over its defaults, as JSON (e.g. '{\"prompt_tail\": false}')",
+    )
     ap.add_argument("--sort", default="tottime", help="pstats order with --profile")
     run(ap.parse_args())
 
