@@ -240,12 +240,12 @@ class TieredStore:
         out of the plan; None only when ``keys`` do not fit."""
         tenant = self.quota_account(tenant) if self.tenant_quotas else ""
         new = self.host.absent(keys)
-        new_tails = self.host.absent(tails)[-self.tail_slots :] if tails else []
-        # (more tails than their share at once: the last ones)
+        new_tails = self.host.absent(tails) if tails else []
         if self.min_lookups:
             counts = self._lookup_counts
             new = [k for k in new if counts.get(k, 0) >= self.min_lookups]
             new_tails = [k for k in new_tails if counts.get(k, 0) >= self.min_lookups]
+        new_tails = new_tails[-self.tail_slots :]  # more than their share at once: the last
         if not new and not new_tails:
             return StorePlan((), ())
         reserved = (
