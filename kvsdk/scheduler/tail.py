@@ -40,10 +40,11 @@ class PromptTail:
     """First token of the tail: the end of the prompt's last whole chunk."""
     end: int
     """The prompt's length."""
-    source: tuple[bytes, bytes, Sequence[int], bytes, tuple[int, ...]] | None
-    """What its keys are derived from, until they are: the key-derivation key,
-    the chain hash before the tail, the tail's token ids, the salt, the groups."""
+    source: tuple[bytes, bytes, Sequence[int], bytes, tuple[int, ...]]
+    """What its keys are derived from: the key-derivation key, the chain hash
+    before the tail, the tail's token ids, the salt, the groups."""
     derived: list[ChunkKey] | None = None
+    digest: int | None = None
     stored: bool = False
     """A store of it was built (it is not stored twice by one request)."""
 
@@ -54,14 +55,22 @@ class PromptTail:
         hashed in one batch (between engine steps a hash costs several times
         more alone, on code the forward pass evicted from the CPU's caches)."""
         if self.derived is None:
-            assert self.source is not None
             ns_fp, parent, tokens, salt, groups = self.source
             (tail_hash,) = token_chunk_hashes(
                 tokens, len(tokens), parent=parent, extra=TAIL_DOMAIN + salt
             )
             self.derived = [chunk_key(ns_fp, tail_hash, g) for g in groups]
-            self.source = None
         return self.derived
+
+    @property
+    def fingerprint(self) -> int:
+        """Python's hash of what names the tail: equal tails have equal ones
+        (in one process), unequal ones almost never. Cheap beside ``keys``:
+        interpreter code that is always in the CPU's caches."""
+        if self.digest is None:
+            ns_fp, parent, tokens, salt, _ = self.source
+            self.digest = hash((ns_fp, parent, salt, tuple(tokens)))
+        return self.digest
 
 
 def tails_supported(groups: Sequence[KVGroupSpec]) -> bool:

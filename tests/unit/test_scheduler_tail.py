@@ -5,6 +5,8 @@ other salt) never matches."""
 from __future__ import annotations
 
 import hashlib
+import time
+from pathlib import Path
 
 import pytest
 
@@ -206,3 +208,62 @@ def test_more_tails_in_one_step_than_their_share_store_the_last_ones() -> None:
     s.worker_results([WorkerResult(j.job_id) for j in jobs.stores])
     assert store.host.num_used == 3 * 2 + 2
     assert [serve(s, f"r{p}", prompt) for p, prompt in enumerate(prompts)] == [8, 11, 11]
+
+
+def test_a_tail_never_stored_here_is_ruled_out_without_hashing_its_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With host RAM the only tier, a lookup that reaches a tail this instance
+    never stored answers from the whole chunks without deriving the tail's key
+    (a hash of its tokens, ~10-20 us between engine steps); a stored one is
+    still found."""
+    from kvsdk.scheduler import tail as tail_module
+
+    hashed: list[int] = []
+    real = tail_module.token_chunk_hashes
+
+    def counting(*args: object, **kwargs: object) -> list[bytes]:
+        hashed.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tail_module, "token_chunk_hashes", counting)
+    s = make()
+    serve(s, "a", PROMPT)
+    run_prefill(s, "a", PROMPT, [1, 2, 3])
+    assert len(hashed) == 1  # its store
+    assert serve(s, "other-tail", [*PROMPT[:-1], 99]) == 8
+    assert serve(s, "other-salt", PROMPT, salt=b"tenant-b") == 8
+    assert len(hashed) == 1  # ruled out: never stored here
+    assert serve(s, "b", PROMPT) == 11
+    assert len(hashed) == 2
+
+
+def test_a_tail_another_instance_stored_on_a_shared_disk_is_served(tmp_path: Path) -> None:
+    """A slower tier may hold tails this instance never stored: their lookups
+    ask it (the fingerprint filter is for host RAM alone)."""
+    ns = Namespace("m", "float32", (GroupLayout((2, TPB, 1, 8), "float32"),), TPB)
+    cfg = load_config(
+        {
+            "tiers": [
+                {"backend": "cpu", "capacity": 16 * 256},
+                {"backend": "disk", "path": str(tmp_path), "capacity": "1MiB"},
+            ]
+        }
+    )
+    a, b = (
+        OffloadScheduler(
+            [KVGroupSpec(0, GroupKind.FULL_ATTENTION, TPB, 1)], ns, build_store(cfg, ns, 256)
+        )
+        for _ in range(2)
+    )
+    serve(a, "w", PROMPT)
+    run_prefill(a, "w", PROMPT, [1, 2, 3])
+    a.store.shutdown()  # its writes to the disk are done
+    b.add_request("r", num_prompt_tokens=len(PROMPT), block_hashes=chain(PROMPT),
+                  prompt_token_ids=PROMPT)  # fmt: skip
+    deadline = time.monotonic() + 20
+    while (hit := b.lookup("r", 0)) is None and time.monotonic() < deadline:
+        b.build_step(computed_after_step={})  # the disk answers between steps
+        time.sleep(0.002)
+    assert hit == 11
+    b.store.shutdown()
