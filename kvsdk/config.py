@@ -130,9 +130,10 @@ class KVSDKConfig:
     ``false``: a hit stops at the last whole chunk, as the engine's own cache."""
     prompt_tail_share: float = 0.125
     """Share of the host tier prompt tails may hold, in (0, 1]: over it, the
-    oldest tail makes room for a new one. A tail takes a whole slot and serves
-    only an exact repeat of its prompt, where a whole chunk serves every prompt
-    that extends it: tails never crowd the chunks out of the tier."""
+    least recently used tail makes room for a new one. A tail takes a whole
+    slot and serves only an exact repeat of its prompt, where a whole chunk
+    serves every prompt that extends it: tails never crowd the chunks out of
+    the tier."""
     eviction: str = "lru"
     """Eviction policy of the tiers that evict locally: ``lru``, ``arc`` or a plugin's."""
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -146,8 +147,8 @@ class KVSDKConfig:
     tenant_quotas: tuple[tuple[str, float], ...] = ()
     """Share of each tier a request tenant may hold (vLLM: the request's ``cache_salt``;
     ``""`` for unsalted requests; ``"*"``: every tenant not listed, together), e.g.
-    ``{"*": 0.5, "acme": 0.25}``. Over its share, a tenant's own oldest chunks go
-    first. Unlisted tenants share the one ``"*"`` share and its accounting, so
+    ``{"*": 0.5, "acme": 0.25}``. Over its share, a tenant's own least recently
+    used chunks go first. Unlisted tenants share the one ``"*"`` share and its accounting, so
     rotating ``cache_salt`` cannot add up shares, and the state kept is one
     account per listed tenant plus one. Slower tiers count what this instance
     wrote against their byte capacity (tiers without one, like Redis, are not
