@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvsdk.events import EventOrigin, KVEvent
@@ -99,15 +98,6 @@ class OffloadScheduler:
         (inside the prompt: the next chunk's end; past it, ``DECODE_STORE_CHUNKS``
         chunks later). An adapter may leave requests below it out of
         ``computed_after_step`` (most requests on most steps): read-only."""
-        self._tail_filter = not store.lower and not store.min_lookups
-        """Whether ``_stored_tails`` may rule a tail out: never where a slower
-        tier may hold tails this instance did not store, or where admission
-        counts the lookups a ruled-out tail would not get."""
-        self._stored_tails: OrderedDict[int, None] = OrderedDict()
-        """Fingerprints of the prompt tails stored (or hit) lately, least recent
-        first, beyond what the host tier holds: with host RAM the only tier, a
-        tail whose fingerprint is not here was never stored, and its lookup
-        derives no key (a hash of its tokens between engine steps: ~10-20 us)."""
         self._key_cache: list[dict[bytes, ChunkKey]] = [{} for _ in self.groups]
         """Per group, the key of each engine hash derived lately: requests sharing
         a prefix (most of them, where anything is reused) derive its keys once."""
@@ -307,12 +297,8 @@ class OffloadScheduler:
             return hit  # the request grew past its prompt: a whole chunk is named there now
         if self.max_load_tokens is not None and t.end - computed > self.max_load_tokens:
             return hit
-        if self._tail_filter and t.fingerprint not in self._stored_tails:
-            return hit  # never stored here, and host RAM is the only tier: no key derived
         served = tail_lookup(t, self.store.lookup, self._being_loaded)
         self._annotate_tail(t)  # (a promotion from a slower tier may store it here)
-        if served:
-            self._remember_tail(t)
         return None if served is None else (t.end - computed if served else hit)
 
     def _annotate_tail(self, t: PromptTail) -> None:
@@ -320,14 +306,6 @@ class OffloadScheduler:
         if self.store.events.enabled:
             for g, key in zip(self.groups, t.keys):
                 self.store.events.annotate(key, EventOrigin(g.index, TAIL_CHUNK, b""))
-
-    def _remember_tail(self, t: PromptTail) -> None:
-        """``t`` was stored or hit: kept among the tails looked up by key."""
-        fps = self._stored_tails
-        fps[t.fingerprint] = None
-        fps.move_to_end(t.fingerprint)
-        if len(fps) > 2 * self.store.tail_slots + 64:  # (the host tier holds fewer)
-            fps.popitem(last=False)
 
     # -- loads ----------------------------------------------------------------------------
     def allocated(
@@ -492,7 +470,6 @@ class OffloadScheduler:
         assert r.tail is not None
         r.tail.stored = True
         self._annotate_tail(r.tail)
-        self._remember_tail(r.tail)
         self._set_next_store(r)
 
     # -- completions ----------------------------------------------------------------------------
@@ -599,7 +576,6 @@ class OffloadScheduler:
         self.ns_fp = epoch_fingerprint(self.namespace.fingerprint, os.urandom(16))
         for cache in self._key_cache:
             cache.clear()  # the old epoch's keys
-        self._stored_tails.clear()
         self._resets += 1
         flush = self.ledger.reset()
         # finished requests store nothing more: their KV predates the reset

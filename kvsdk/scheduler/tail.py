@@ -44,16 +44,14 @@ class PromptTail:
     """What its keys are derived from: the key-derivation key, the chain hash
     before the tail, the tail's token ids, the salt, the groups."""
     derived: list[ChunkKey] | None = None
-    digest: int | None = None
     stored: bool = False
     """A store of it was built (it is not stored twice by one request)."""
 
     @property
     def keys(self) -> list[ChunkKey]:
-        """One entry per KV group, derived at first use: most requests need
-        them only when their prompt is stored, where a step's tails are
-        hashed in one batch (between engine steps a hash costs several times
-        more alone, on code the forward pass evicted from the CPU's caches)."""
+        """One entry per KV group, derived at first use (a lookup that reaches
+        the tail, or the step that stores it): once per request, and never
+        for one that ends before either."""
         if self.derived is None:
             ns_fp, parent, tokens, salt, groups = self.source
             (tail_hash,) = token_chunk_hashes(
@@ -61,16 +59,6 @@ class PromptTail:
             )
             self.derived = [chunk_key(ns_fp, tail_hash, g) for g in groups]
         return self.derived
-
-    @property
-    def fingerprint(self) -> int:
-        """Python's hash of what names the tail: equal tails have equal ones
-        (in one process), unequal ones almost never. Cheap beside ``keys``:
-        interpreter code that is always in the CPU's caches."""
-        if self.digest is None:
-            ns_fp, parent, tokens, salt, _ = self.source
-            self.digest = hash((ns_fp, parent, salt, tuple(tokens)))
-        return self.digest
 
 
 def tails_supported(groups: Sequence[KVGroupSpec]) -> bool:
