@@ -17,7 +17,6 @@ from kvsdk.scheduler.steps import DECODE_STORE_CHUNKS, StepJobs, WorkerResult
 from kvsdk.scheduler.store_jobs import StoreJobs
 from kvsdk.scheduler.tail import (
     TAIL_CHUNK,
-    PromptTail,
     prompt_tail,
     tail_lookup,
     tails_supported,
@@ -148,6 +147,9 @@ class OffloadScheduler:
             r.tail = prompt_tail(
                 self.ns_fp, self.groups, r.hashes, self.tokens_per_hash, prompt_token_ids, tail_salt
             )
+            if r.tail is not None and self.store.events.enabled:
+                for g, key in zip(self.groups, r.tail.keys):
+                    self.store.events.annotate(key, EventOrigin(g.index, TAIL_CHUNK, b""))
         self._set_next_store(r)
 
     def _retire(self, req_id: ReqId) -> None:
@@ -298,14 +300,7 @@ class OffloadScheduler:
         if self.max_load_tokens is not None and t.end - computed > self.max_load_tokens:
             return hit
         served = tail_lookup(t, self.store.lookup, self._being_loaded)
-        self._annotate_tail(t)  # (a promotion from a slower tier may store it here)
         return None if served is None else (t.end - computed if served else hit)
-
-    def _annotate_tail(self, t: PromptTail) -> None:
-        """Events name a tail's entries as no engine block (once its keys exist)."""
-        if self.store.events.enabled:
-            for g, key in zip(self.groups, t.keys):
-                self.store.events.annotate(key, EventOrigin(g.index, TAIL_CHUNK, b""))
 
     # -- loads ----------------------------------------------------------------------------
     def allocated(
@@ -469,7 +464,6 @@ class OffloadScheduler:
         request: stored, or not if the tier has no room)."""
         assert r.tail is not None
         r.tail.stored = True
-        self._annotate_tail(r.tail)
         self._set_next_store(r)
 
     # -- completions ----------------------------------------------------------------------------

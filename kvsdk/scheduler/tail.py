@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from kvsdk.keys import ROOT_HASH, chunk_key, token_chunk_hashes
+from kvsdk.keys import ROOT_HASH, chunk_keys, token_chunk_hashes
 from kvsdk.transfer import BlockCopies
 from kvsdk.types import ChunkKey, GroupKind, KVGroupSpec, LookupResult, cdiv
 
@@ -40,25 +40,10 @@ class PromptTail:
     """First token of the tail: the end of the prompt's last whole chunk."""
     end: int
     """The prompt's length."""
-    source: tuple[bytes, bytes, Sequence[int], bytes, tuple[int, ...]]
-    """What its keys are derived from: the key-derivation key, the chain hash
-    before the tail, the tail's token ids, the salt, the groups."""
-    derived: list[ChunkKey] | None = None
+    keys: list[ChunkKey]
+    """One entry per KV group."""
     stored: bool = False
     """A store of it was built (it is not stored twice by one request)."""
-
-    @property
-    def keys(self) -> list[ChunkKey]:
-        """One entry per KV group, derived at first use (a lookup that reaches
-        the tail, or the step that stores it): once per request, and never
-        for one that ends before either."""
-        if self.derived is None:
-            ns_fp, parent, tokens, salt, groups = self.source
-            (tail_hash,) = token_chunk_hashes(
-                tokens, len(tokens), parent=parent, extra=TAIL_DOMAIN + salt
-            )
-            self.derived = [chunk_key(ns_fp, tail_hash, g) for g in groups]
-        return self.derived
 
 
 def tails_supported(groups: Sequence[KVGroupSpec]) -> bool:
@@ -91,8 +76,11 @@ def prompt_tail(
     if len(hashes) < whole:
         return None
     parent = hashes[whole - 1] if whole else ROOT_HASH
-    tokens = prompt_token_ids[start:end]
-    return PromptTail(start, end, (ns_fp, parent, tokens, salt, tuple(g.index for g in groups)))
+    (tail_hash,) = token_chunk_hashes(
+        prompt_token_ids[start:end], end - start, parent=parent, extra=TAIL_DOMAIN + salt
+    )
+    keys = [chunk_keys(ns_fp, [tail_hash], g.index)[0] for g in groups]
+    return PromptTail(start, end, keys)
 
 
 def tail_copies(
