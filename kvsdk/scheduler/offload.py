@@ -324,18 +324,15 @@ class OffloadScheduler:
         end = r.num_computed_local + num_external_tokens
         keys, per_group = load_copies(r, self.groups, end)
         slots = self.store.prepare_load(keys)
-        slot_of = dict(zip(keys, slots)).__getitem__
-        copies = tuple(
-            BlockCopies(
-                self.groups[gi].index,
-                eb,
-                slots
-                if len(per_group) == 1 and len(bkeys) == len(keys)
-                else list(map(slot_of, bkeys)),
-                offs,
+        if len(per_group) == 1 and len(per_group[0][2]) == len(keys):
+            gi, eb, _, offs = per_group[0]  # a block per key, in the keys' order
+            copies: tuple[BlockCopies, ...] = (BlockCopies(self.groups[gi].index, eb, slots, offs),)
+        else:
+            slot_of = dict(zip(keys, slots)).__getitem__
+            copies = tuple(
+                BlockCopies(self.groups[gi].index, eb, list(map(slot_of, bkeys)), offs)
+                for gi, eb, bkeys, offs in per_group
             )
-            for gi, eb, bkeys, offs in per_group
-        )
         job_id = self.ledger.add_load(req_id, keys)
         self._loading_requests.add(req_id)
         job = TransferJob(job_id, Direction.LOAD, copies)

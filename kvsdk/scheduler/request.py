@@ -141,17 +141,15 @@ def load_copies(r: RequestState, groups: Sequence[KVGroupSpec], end: int) -> Loa
         first = max(cdiv(r.num_computed_local, tpb), needed.start * bpc)
         stop = cdiv(end, tpb)
         ids = r.block_ids[gi]
-        whole = r.keys[gi][first:stop]
-        if (
-            bpc == 1
-            and len(whole) >= stop - first - 1
-            and len(ids) >= stop
-            and 0 not in ids[first:stop]
-        ):
-            # a block per chunk, none skipped: the chunks' keys (and the tail's) as they are
-            gkeys = whole if len(whole) == stop - first else [*whole, r.chunk_key(gi, stop - 1)]
+        blocks = ids[first:stop]
+        gkeys = r.keys[gi][first:stop]
+        one_per_chunk = bpc == 1 and len(blocks) == stop - first and len(gkeys) >= len(blocks) - 1
+        if one_per_chunk and 0 not in blocks:
+            # a block per chunk, none skipped: the chunks' keys (and the tail's, last)
+            if len(gkeys) < len(blocks):
+                gkeys.append(r.chunk_key(gi, stop - 1))
             keys += gkeys
-            per_group.append((gi, ids[first:stop], gkeys, [0] * len(gkeys)))
+            per_group.append((gi, blocks, gkeys, [0] * len(gkeys)))
             continue
         eb, bkeys, offs = [], [], []
         for b in range(first, stop):

@@ -236,7 +236,7 @@ class TieredStore:
     ) -> StorePlan | None:
         """``tenant``'s account is charged for the new entries (see ``tenant_quotas``).
         ``tails`` (prompt tails, apart from ``keys``) share ``tail_slots`` among
-        themselves, the oldest making room: the ones that get no slot are left
+        themselves, the least recently used making room: the ones that get no slot are left
         out of the plan; None only when ``keys`` do not fit."""
         tenant = self.quota_account(tenant) if self.tenant_quotas else ""
         new = self.host.absent(keys)
