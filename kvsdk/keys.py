@@ -30,7 +30,6 @@ import hashlib
 import json
 import struct
 from collections.abc import Sequence
-from contextlib import suppress
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any
@@ -157,8 +156,10 @@ def token_chunk_hashes(
         # steps (a prompt tail per request) a numpy call cost ~100 us, measured
         # in vLLM's EngineCore; ``struct`` packs 100 ints in ~0.8 us (the array
         # module ~1.5 us).
-        with suppress(struct.error):  # not all ints (numpy converts them): numpy's bytes below
+        try:  # (a try costs nothing on this path; a `with suppress` ~0.5 us)
             data = memoryview(struct.pack(f"<{n}q", *token_ids[:n]))
+        except struct.error:  # not all ints (numpy converts them): numpy's bytes below
+            data = None
     if data is None:
         data = memoryview(np.asarray(token_ids, dtype="<i8")[:n].tobytes())
     out: list[bytes] = []

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from kvsdk.keys import ROOT_HASH, chunk_keys, token_chunk_hashes
+from kvsdk.keys import ROOT_HASH, chunk_key, token_chunk_hashes
 from kvsdk.transfer import BlockCopies
 from kvsdk.types import ChunkKey, GroupKind, KVGroupSpec, LookupResult, cdiv
 
@@ -79,7 +79,7 @@ def prompt_tail(
     (tail_hash,) = token_chunk_hashes(
         prompt_token_ids[start:end], end - start, parent=parent, extra=TAIL_DOMAIN + salt
     )
-    keys = [chunk_keys(ns_fp, [tail_hash], g.index)[0] for g in groups]
+    keys = [chunk_key(ns_fp, tail_hash, g.index) for g in groups]
     return PromptTail(start, end, keys)
 
 
