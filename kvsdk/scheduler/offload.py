@@ -367,7 +367,7 @@ class OffloadScheduler:
         step (e.g. copy-on-write destinations).
         """
         # by incarnation (an id reused since its request finished names two)
-        done: dict[ReqKey, int] = self._incarnations(finished) if self._finishing else dict(finished)
+        done = self._incarnations(finished) if self._finishing else dict[ReqKey, int](finished)
         replace = set(replace_block_ids)
         for req_id, groups in new_block_ids.items():
             r = self._requests.get(req_id)
