@@ -17,6 +17,7 @@ a C compiler.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -131,6 +132,7 @@ def main() -> None:
     ap.add_argument("--waves", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each build, alternating")
     ap.add_argument("--keep", type=Path, help="compile into (and keep) this directory")
+    ap.add_argument("--out", type=Path, default=ROOT / "out" / "probe_compiled_scheduler.json")
     args = ap.parse_args()
     tree = args.keep or Path(tempfile.mkdtemp(prefix="kvsdk-mypyc-"))
     try:
@@ -151,6 +153,17 @@ def main() -> None:
         pure = statistics.median(r[0] for r in runs["pure"])
         comp = statistics.median(r[0] for r in runs["compiled"])
         print(f"compiled/pure kvsdk scheduler-side time: {comp / pure:.2f}x")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        result = {
+            "trace": {"requests": args.requests, "waves": args.waves},
+            "modules": HOT_MODULES,
+            "us_per_step": {
+                b: [{"kvsdk": k, "native": n} for k, n in rs] for b, rs in runs.items()
+            },
+            "compiled_over_pure": comp / pure,
+        }
+        args.out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.out}")
     finally:
         if args.keep is None:
             shutil.rmtree(tree, ignore_errors=True)
