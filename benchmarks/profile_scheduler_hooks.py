@@ -12,7 +12,9 @@ The same trace runs with vLLM's native ``OffloadingConnector`` (the CPU spec
 kvsdk ships for it, a host tier of the same size, its worker faked the same
 way: loads asynchronous as native's are on vLLM-CPU), and the ratio of the
 two is printed. It prints each connector's hook thread CPU time per step, per
-hook, and with ``--profile`` kvsdk's hottest functions (cProfile).
+hook, split between the steps that admit new requests (lookups, loads, the
+prompts' stores) and the others (decodes, loads landing), and with
+``--profile`` kvsdk's hottest functions (cProfile).
 
 Between steps it writes ``--evict-mib`` of memory (default 64), as vLLM-CPU's
 forward pass evicts the caches the hooks then run on: with it the figures
@@ -36,10 +38,12 @@ import io
 import json
 import pstats
 import random
+import statistics
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm import SamplingParams
@@ -147,6 +151,19 @@ def worker_output(meta: Any, done: Done) -> tuple[Done, KVConnectorOutput | None
     return then, kv
 
 
+@dataclass
+class Result:
+    steps: int
+    loads: int
+    spent: dict[str, float]
+    """Per hook, thread CPU seconds."""
+    admitting: list[float] = field(default_factory=list)
+    """Per step that scheduled new requests, its hooks' seconds (from its
+    ``schedule`` through its ``update_from_output``)."""
+    other: list[float] = field(default_factory=list)
+    """The same for every other step (decodes, loads landing, stores draining)."""
+
+
 def run_trace(connector: str, args: argparse.Namespace, prof: cProfile.Profile | None) -> Result:
     with tempfile.TemporaryDirectory() as model_dir:
         sched = build_scheduler(
@@ -158,7 +175,7 @@ def run_trace(connector: str, args: argparse.Namespace, prof: cProfile.Profile |
     timed_hooks(sched.connector, spent, prof)
     rng = random.Random(args.seed)
     prefixes = [[rng.randrange(50, 30000) for _ in range(rng.randint(512, 1024))] for _ in range(8)]
-    steps = loads = 0
+    res = Result(0, 0, spent)
     try:
         for wave in range(args.waves):
             if wave:
@@ -178,11 +195,12 @@ def run_trace(connector: str, args: argparse.Namespace, prof: cProfile.Profile |
                 )
             done: Done = ({}, set())
             while sched.requests:
+                before = sum(spent.values())
                 so = sched.schedule()
-                steps += 1
+                res.steps += 1
                 ids = list(so.num_scheduled_tokens)
                 meta: Any = so.kv_connector_metadata
-                loads += len(
+                res.loads += len(
                     meta.loads if isinstance(meta, KVSDKConnectorMetadata) else meta.load_jobs
                 )
                 done, kv = worker_output(meta, done)
@@ -197,42 +215,54 @@ def run_trace(connector: str, args: argparse.Namespace, prof: cProfile.Profile |
                         kv_connector_output=kv,
                     ),
                 )
+                took = sum(spent.values()) - before
+                (res.admitting if so.scheduled_new_reqs else res.other).append(took)
     finally:
         sched.shutdown()
-    return steps, loads, spent
+    return res
 
 
-Result = tuple[int, int, dict[str, float]]
-
-
-def report(connector: str, args: argparse.Namespace, result: Result) -> tuple[float, float]:
-    steps, loads, spent = result
-    total = sum(spent.values())
+def report(connector: str, args: argparse.Namespace, res: Result) -> tuple[float, float]:
+    """Prints one run; returns its hooks' seconds per step and in all."""
+    total = sum(res.spent.values())
     print(
-        f"{connector}: {args.waves} waves x {args.requests} requests, {steps} steps, "
-        f"{loads} load jobs: "
-        f"scheduler-side hooks {1e6 * total / steps:.0f} us/step thread CPU ({1e3 * total:.1f} ms)"
+        f"{connector}: {args.waves} waves x {args.requests} requests, {res.steps} steps, "
+        f"{res.loads} load jobs: scheduler-side hooks {1e6 * total / res.steps:.0f} us/step "
+        f"thread CPU ({1e3 * total:.1f} ms)"
     )
-    for name, secs in sorted(spent.items(), key=lambda kv: -kv[1]):
+    for name, secs in sorted(res.spent.items(), key=lambda kv: -kv[1]):
         if secs:
             print(f"  {name:30s} {1e3 * secs:7.1f} ms")
-    return total / steps, total
+    for kind, took in (("steps admitting requests", res.admitting), ("other steps", res.other)):
+        if took:
+            print(
+                f"  {kind}: {len(took)}, {1e3 * sum(took):.1f} ms"
+                f" (median {1e6 * statistics.median(took):.0f} us)"
+            )
+    return total / res.steps, total
 
 
 def run(args: argparse.Namespace) -> None:
     per_step: dict[str, list[tuple[float, float]]] = {}
+    by_kind: dict[str, list[Result]] = {}
     prof = cProfile.Profile() if args.profile else None
     for _ in range(args.repeats):
         for connector in args.connectors.split(","):
             result = run_trace(connector, args, prof if connector == "kvsdk" else None)
             per_step.setdefault(connector, []).append(report(connector, args, result))
+            by_kind.setdefault(connector, []).append(result)
     if len(per_step) == 2:
         pairs = list(zip(per_step["kvsdk"], per_step["native"], strict=True))
+        runs = list(zip(by_kind["kvsdk"], by_kind["native"], strict=True))
         print(
             "kvsdk/native scheduler-side CPU, per step: "
             + ", ".join(f"{k[0] / n[0]:.2f}x" for k, n in pairs)
             + "; whole trace: "
             + ", ".join(f"{k[1] / n[1]:.2f}x" for k, n in pairs)
+            + "; all steps admitting requests: "
+            + ", ".join(f"{sum(k.admitting) / sum(n.admitting):.2f}x" for k, n in runs)
+            + "; all other steps: "
+            + ", ".join(f"{sum(k.other) / sum(n.other):.2f}x" for k, n in runs)
         )
     if prof is not None:
         out = io.StringIO()
