@@ -163,6 +163,10 @@ class Result:
     other: list[float] = field(default_factory=list)
     """The same for every other step (decodes, loads landing, stores draining)."""
 
+    @property
+    def total(self) -> float:
+        return sum(self.spent.values())
+
 
 def run_trace(connector: str, args: argparse.Namespace, prof: cProfile.Profile | None) -> Result:
     with tempfile.TemporaryDirectory() as model_dir:
@@ -171,6 +175,7 @@ def run_trace(connector: str, args: argparse.Namespace, prof: cProfile.Profile |
         )
     freeze_gc_heap()  # as vLLM's EngineCore does once it is built
     evict = bytearray(args.evict_mib << 20) if args.evict_mib else None
+    zeros = bytes(len(evict)) if evict is not None else b""
     spent: dict[str, float] = {}
     timed_hooks(sched.connector, spent, prof)
     rng = random.Random(args.seed)
@@ -205,7 +210,7 @@ def run_trace(connector: str, args: argparse.Namespace, prof: cProfile.Profile |
                 )
                 done, kv = worker_output(meta, done)
                 if evict is not None:  # the forward pass between the hooks: caches cold
-                    evict[:] = bytes(len(evict))
+                    evict[:] = zeros
                 sched.update_from_output(
                     so,
                     ModelRunnerOutput(
@@ -222,9 +227,8 @@ def run_trace(connector: str, args: argparse.Namespace, prof: cProfile.Profile |
     return res
 
 
-def report(connector: str, args: argparse.Namespace, res: Result) -> tuple[float, float]:
-    """Prints one run; returns its hooks' seconds per step and in all."""
-    total = sum(res.spent.values())
+def report(connector: str, args: argparse.Namespace, res: Result) -> None:
+    total = res.total
     print(
         f"{connector}: {args.waves} waves x {args.requests} requests, {res.steps} steps, "
         f"{res.loads} load jobs: scheduler-side hooks {1e6 * total / res.steps:.0f} us/step "
@@ -239,26 +243,23 @@ def report(connector: str, args: argparse.Namespace, res: Result) -> tuple[float
                 f"  {kind}: {len(took)}, {1e3 * sum(took):.1f} ms"
                 f" (median {1e6 * statistics.median(took):.0f} us)"
             )
-    return total / res.steps, total
 
 
 def run(args: argparse.Namespace) -> None:
-    per_step: dict[str, list[tuple[float, float]]] = {}
-    by_kind: dict[str, list[Result]] = {}
+    results: dict[str, list[Result]] = {}
     prof = cProfile.Profile() if args.profile else None
     for _ in range(args.repeats):
         for connector in args.connectors.split(","):
             result = run_trace(connector, args, prof if connector == "kvsdk" else None)
-            per_step.setdefault(connector, []).append(report(connector, args, result))
-            by_kind.setdefault(connector, []).append(result)
-    if len(per_step) == 2:
-        pairs = list(zip(per_step["kvsdk"], per_step["native"], strict=True))
-        runs = list(zip(by_kind["kvsdk"], by_kind["native"], strict=True))
+            report(connector, args, result)
+            results.setdefault(connector, []).append(result)
+    if len(results) == 2:
+        runs = list(zip(results["kvsdk"], results["native"], strict=True))
         print(
             "kvsdk/native scheduler-side CPU, per step: "
-            + ", ".join(f"{k[0] / n[0]:.2f}x" for k, n in pairs)
+            + ", ".join(f"{k.total / k.steps / (n.total / n.steps):.2f}x" for k, n in runs)
             + "; whole trace: "
-            + ", ".join(f"{k[1] / n[1]:.2f}x" for k, n in pairs)
+            + ", ".join(f"{k.total / n.total:.2f}x" for k, n in runs)
             + "; all steps admitting requests: "
             + ", ".join(f"{sum(k.admitting) / sum(n.admitting):.2f}x" for k, n in runs)
             + "; all other steps: "
