@@ -163,7 +163,7 @@ class Result:
     loads: int
     spent: dict[str, float]
     """Per hook, thread CPU seconds."""
-    admitting: list[float] = field(default_factory=list)
+    looking_up: list[float] = field(default_factory=list)
     """Per step that looked requests up, its hooks' seconds (from its
     ``schedule`` through its ``update_from_output``)."""
     other: list[float] = field(default_factory=list)
@@ -230,7 +230,7 @@ def run_trace(connector: str, args: argparse.Namespace, prof: cProfile.Profile |
                 )
                 took = sum(spent.values()) - before
                 looked_up = calls.get("get_num_new_matched_tokens", 0) > lookups
-                (res.admitting if looked_up else res.other).append(took)
+                (res.looking_up if looked_up else res.other).append(took)
     finally:
         sched.shutdown()
     return res
@@ -246,7 +246,7 @@ def report(connector: str, args: argparse.Namespace, res: Result) -> None:
     for name, secs in sorted(res.spent.items(), key=lambda kv: -kv[1]):
         if secs:
             print(f"  {name:30s} {1e3 * secs:7.1f} ms")
-    for kind, took in (("steps looking requests up", res.admitting), ("other steps", res.other)):
+    for kind, took in (("steps looking requests up", res.looking_up), ("other steps", res.other)):
         if took:
             print(
                 f"  {kind}: {len(took)}, {1e3 * sum(took):.1f} ms"
@@ -270,7 +270,7 @@ def run(args: argparse.Namespace) -> None:
             + "; whole trace: "
             + ", ".join(f"{k.total / n.total:.2f}x" for k, n in runs)
             + "; all steps looking requests up: "
-            + ", ".join(f"{sum(k.admitting) / sum(n.admitting):.2f}x" for k, n in runs)
+            + ", ".join(f"{sum(k.looking_up) / sum(n.looking_up):.2f}x" for k, n in runs)
             + "; all other steps: "
             + ", ".join(f"{sum(k.other) / sum(n.other):.2f}x" for k, n in runs)
         )
