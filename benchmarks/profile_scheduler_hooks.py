@@ -19,8 +19,11 @@ functions (cProfile). The split is by lookups, not by requests scheduled:
 native's loads are asynchronous, so it looks a request up in a step that
 schedules nothing new and admits it steps later.
 
-Between steps it writes ``--evict-mib`` of memory (default 64), as vLLM-CPU's
-forward pass evicts the caches the hooks then run on: with it the figures
+Between steps, and between building a wave's requests and adding them to the
+scheduler, it writes ``--evict-mib`` of memory (default 64), as vLLM-CPU's
+forward pass evicts the caches the hooks then run on (the EngineCore's input
+thread builds each request, block hashes included, while the engine runs a
+step; the engine thread adds it between steps): with it the figures
 match the EngineCore's (kvsdk 341-350 us/step and native 472-474 against
 343 and 447 in ``bench_vllm_connector.py`` at the same 32 requests a wave),
 where without it both run about 1.5x faster than there. ``--evict-mib 0`` is the
@@ -192,22 +195,26 @@ def run_trace(connector: str, args: argparse.Namespace, prof: cProfile.Profile |
         for wave in range(args.waves):
             if wave:
                 sched.reset_prefix_cache()  # later waves load their prefixes from the connector
-            for i in range(args.requests):
-                prompt = prefixes[i % 8] + [
-                    rng.randrange(50, 30000) for _ in range(rng.randint(16, 200))
-                ]
-                sched.add_request(
-                    Request(
-                        f"w{wave}r{i}",
-                        prompt,
-                        SamplingParams(max_tokens=8, ignore_eos=True),
-                        None,
-                        block_hasher=get_request_block_hasher(BLOCK, sha256),
-                    )
+            wave_requests = [
+                Request(
+                    f"w{wave}r{i}",
+                    prefixes[i % 8]
+                    + [rng.randrange(50, 30000) for _ in range(rng.randint(16, 200))],
+                    SamplingParams(max_tokens=8, ignore_eos=True),
+                    None,
+                    block_hasher=get_request_block_hasher(BLOCK, sha256),
                 )
+                for i in range(args.requests)
+            ]
+            if evict is not None:
+                # the EngineCore's input thread built them while the engine ran a
+                # forward pass: the engine thread adds them on cold caches
+                evict[:] = zeros
+            before = sum(spent.values())  # (adding may call hooks: in the first step's share)
+            for request in wave_requests:
+                sched.add_request(request)
             done: Done = ({}, set())
             while sched.requests:
-                before = sum(spent.values())
                 lookups = calls.get("get_num_new_matched_tokens", 0)
                 so = sched.schedule()
                 res.steps += 1
@@ -229,6 +236,7 @@ def run_trace(connector: str, args: argparse.Namespace, prof: cProfile.Profile |
                     ),
                 )
                 took = sum(spent.values()) - before
+                before += took
                 looked_up = calls.get("get_num_new_matched_tokens", 0) > lookups
                 (res.looking_up if looked_up else res.other).append(took)
     finally:
