@@ -24,8 +24,8 @@ scheduler, it writes ``--evict-mib`` of memory (default 64), as vLLM-CPU's
 forward pass evicts the caches the hooks then run on (the EngineCore's input
 thread builds each request, block hashes included, while the engine runs a
 step; the engine thread adds it between steps): with it the figures
-match the EngineCore's (kvsdk 341-350 us/step and native 472-474 against
-343 and 447 in ``bench_vllm_connector.py`` at the same 32 requests a wave),
+match the EngineCore's (kvsdk 340-346 us/step and native 454-464 against
+336-362 and 435-444 in ``bench_vllm_connector.py`` at the same 32 requests a wave),
 where without it both run about 1.5x faster than there. ``--evict-mib 0`` is the
 hot case: a scheduler process on a core of its own, as beside a GPU. The
 engine's own figure varies by +-15 % from run to run; this one by a few

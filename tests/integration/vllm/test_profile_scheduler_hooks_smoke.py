@@ -36,7 +36,7 @@ def test_profile_scheduler_hooks_smoke() -> None:
     (_, k_steps, k_loads, k_us), (_, n_steps, n_loads, n_us) = runs
     assert int(k_loads) == int(n_loads) == 4  # wave 2: each request's prefix from the connector
     assert int(k_us) > 0 and int(n_us) > 0
-    admitting = [int(n) for n in re.findall(r"^  steps looking requests up: (\d+),", out, re.M)]
+    looking_up = [int(n) for n in re.findall(r"^  steps looking requests up: (\d+),", out, re.M)]
     other = [int(n) for n in re.findall(r"^  other steps: (\d+),", out, re.M)]
-    assert [a + o for a, o in zip(admitting, other, strict=True)] == [int(k_steps), int(n_steps)]
+    assert [a + o for a, o in zip(looking_up, other, strict=True)] == [int(k_steps), int(n_steps)]
     assert re.search(r"^kvsdk/native scheduler-side CPU, per step: [\d.]+x;", out, re.M), out
