@@ -52,7 +52,13 @@ native spec's) can use an idle core: part 3 is then the lenient case; run
    (``perf_counter``, and ``thread_time`` as a cross-check) while the same
    shared-prefix trace runs through each connector: two waves of requests
    over a few shared prefixes, vLLM's own prefix cache reset between the waves
-   (the second wave's prefixes come from the connector). The steps of a wave
+   (the second wave's prefixes come from the connector). Each request
+   generates ``--trace-max-tokens`` tokens (default 128, the output length of
+   ``vllm bench serve``'s random dataset): the figure depends on it, since
+   admitting a request costs both connectors far more than a decode step
+   (``profile_scheduler_hooks.py --max-tokens 8,16,32,64,128,256`` draws the
+   curve; at 8 tokens, where nearly every step admits or finishes requests,
+   kvsdk is ~0.75x native, at 32 ~0.52x, from 64 on <= 0.5x). The steps of a wave
    are those from its first request's arrival through the step in which its
    last request finished; the steps after it, which only finish connector
    work, are not timed. Engine steps are counted as ``build_connector_meta``
@@ -129,6 +135,10 @@ def _ttft_prompt(length: int, rep: int) -> list[int]:
     return _tokens(random.Random(f"ttft-{length}-{rep}"), length)
 
 
+TRACE_SUFFIX_TOKENS = (32, 96)
+"""Each trace prompt's own tokens after its shared prefix (fewest, most)."""
+
+
 def _trace(args: argparse.Namespace) -> list[list[list[int]]]:
     """Waves of prompts: ``prefix[i % prefixes] + unique suffix``."""
     rng = random.Random("trace")
@@ -136,7 +146,10 @@ def _trace(args: argparse.Namespace) -> list[list[list[int]]]:
     prefixes = [_tokens(rng, rng.randint(lo, hi)) for _ in range(args.trace_prefixes)]
     per_wave = args.trace_requests // args.trace_waves
     return [
-        [prefixes[i % len(prefixes)] + _tokens(rng, rng.randint(32, 96)) for i in range(per_wave)]
+        [
+            prefixes[i % len(prefixes)] + _tokens(rng, rng.randint(*TRACE_SUFFIX_TOKENS))
+            for i in range(per_wave)
+        ]
         for _ in range(args.trace_waves)
     ]
 
@@ -205,7 +218,7 @@ class Engine:
         self.connector = ktc is not None
         max_len = max(
             max(args.prompt_lens) + 64,
-            args.trace_prefix_tokens[1] + 128,
+            args.trace_prefix_tokens[1] + TRACE_SUFFIX_TOKENS[1] + args.trace_max_tokens,
             args.tp_prompt_tokens[1] + args.tp_max_tokens + 32,
             args.tp2_len + 64,
         )
@@ -741,7 +754,8 @@ def format_table(s: dict[str, Any]) -> str:
     sc = s["sched"]
     lines += [
         "",
-        "2. scheduler-side connector time per engine step (same trace)",
+        "2. scheduler-side connector time per engine step (same trace,"
+        f" {s['settings']['trace']['max_tokens']} output tokens per request)",
         f"   kvsdk {sc['kvsdk_us_per_step']:.0f} us/step over {sc['kvsdk']['steps']} steps;"
         f" native {sc['native_us_per_step']:.0f} us/step over {sc['native']['steps']} steps;"
         f" kvsdk/native {sc['kvsdk_over_native']:.2f}x"
@@ -879,7 +893,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--trace-waves", type=int, default=2)
     ap.add_argument("--trace-prefixes", type=int, default=8)
     ap.add_argument("--trace-prefix-tokens", type=_pair, default=(512, 1024))
-    ap.add_argument("--trace-max-tokens", type=int, default=8)
+    ap.add_argument("--trace-max-tokens", type=int, default=128,
+                    help="output tokens per trace request (vLLM's random dataset: 128)")  # fmt: skip
     ap.add_argument("--tp-requests", type=int, default=16)
     ap.add_argument("--tp-prompt-tokens", type=_pair, default=(256, 768))
     ap.add_argument("--tp-max-tokens", type=int, default=32)

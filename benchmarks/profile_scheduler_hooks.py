@@ -32,14 +32,25 @@ engine's own figure varies by +-15 % from run to run; this one by a few
 percent, so a change to the scheduler side is easier to judge here first;
 the comparison with vLLM's native connector stays ``bench_vllm_connector.py``'s.
 
+Each request generates ``--max-tokens`` tokens (default 8: nearly every step
+admits or finishes requests, the hardest case for the ratio, since admitting a
+request costs both connectors far more than a decode step). A comma list runs
+the trace at each length and draws the curve; session 14 measured, at 32
+requests a wave, per step 0.72-0.78x at 8 tokens, 0.62-0.64x at 16,
+0.51-0.53x at 32, 0.47-0.48x at 64, 0.40x at 128 (the output length of
+``vllm bench serve``'s random dataset) and 0.36x at 256. ``--out DIR`` writes
+``profile_scheduler_hooks.json`` and a PNG of it there.
+
     python benchmarks/profile_scheduler_hooks.py [--waves 4] [--requests 64] [--repeats 3] [--profile]
-        [--evict-mib 64] [--kvsdk-config '{"prompt_tail": false}']
+        [--evict-mib 64] [--kvsdk-config '{"prompt_tail": false}'] [--max-tokens 8,64,256]
+        [--out out/profile_scheduler_hooks]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -50,6 +61,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from vllm import SamplingParams
@@ -177,7 +189,9 @@ class Result:
         return sum(self.spent.values())
 
 
-def run_trace(connector: str, args: argparse.Namespace, prof: cProfile.Profile | None) -> Result:
+def run_trace(
+    connector: str, args: argparse.Namespace, max_tokens: int, prof: cProfile.Profile | None
+) -> Result:
     with tempfile.TemporaryDirectory() as model_dir:
         sched = build_scheduler(
             model_dir, num_blocks=2000, connector=connector, kvsdk_config=args.kvsdk_config
@@ -200,7 +214,7 @@ def run_trace(connector: str, args: argparse.Namespace, prof: cProfile.Profile |
                     f"w{wave}r{i}",
                     prefixes[i % 8]
                     + [rng.randrange(50, 30000) for _ in range(rng.randint(16, 200))],
-                    SamplingParams(max_tokens=8, ignore_eos=True),
+                    SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                     None,
                     block_hasher=get_request_block_hasher(BLOCK, sha256),
                 )
@@ -244,12 +258,12 @@ def run_trace(connector: str, args: argparse.Namespace, prof: cProfile.Profile |
     return res
 
 
-def report(connector: str, args: argparse.Namespace, res: Result) -> None:
+def report(connector: str, args: argparse.Namespace, max_tokens: int, res: Result) -> None:
     total = res.total
     print(
-        f"{connector}: {args.waves} waves x {args.requests} requests, {res.steps} steps, "
-        f"{res.loads} load jobs: scheduler-side hooks {1e6 * total / res.steps:.0f} us/step "
-        f"thread CPU ({1e3 * total:.1f} ms)"
+        f"{connector}: {args.waves} waves x {args.requests} requests, {max_tokens} output "
+        f"tokens each, {res.steps} steps, {res.loads} load jobs: scheduler-side hooks "
+        f"{1e6 * total / res.steps:.0f} us/step thread CPU ({1e3 * total:.1f} ms)"
     )
     for name, secs in sorted(res.spent.items(), key=lambda kv: -kv[1]):
         if secs:
@@ -262,26 +276,93 @@ def report(connector: str, args: argparse.Namespace, res: Result) -> None:
             )
 
 
-def run(args: argparse.Namespace) -> None:
-    results: dict[str, list[Result]] = {}
-    prof = cProfile.Profile() if args.profile else None
-    for _ in range(args.repeats):
-        for connector in args.connectors.split(","):
-            result = run_trace(connector, args, prof if connector == "kvsdk" else None)
-            report(connector, args, result)
-            results.setdefault(connector, []).append(result)
+def ratios(runs: list[tuple[Result, Result]]) -> dict[str, list[float]]:
+    """kvsdk/native per run (pairs of kvsdk's and native's result)."""
+    return {
+        "per_step": [k.total / k.steps / (n.total / n.steps) for k, n in runs],
+        "whole_trace": [k.total / n.total for k, n in runs],
+        "lookup_steps": [sum(k.looking_up) / sum(n.looking_up) for k, n in runs],
+        "other_steps": [sum(k.other) / sum(n.other) for k, n in runs],
+    }
+
+
+def summary(max_tokens: int, results: dict[str, list[Result]]) -> dict[str, Any]:
+    """One output length's figures (per connector us/step; ratios when both ran)."""
+    out: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "us_per_step": {
+            c: [round(1e6 * r.total / r.steps, 1) for r in rs] for c, rs in results.items()
+        },
+        "steps": {c: [r.steps for r in rs] for c, rs in results.items()},
+    }
     if len(results) == 2:
-        runs = list(zip(results["kvsdk"], results["native"], strict=True))
+        r = ratios(list(zip(results["kvsdk"], results["native"], strict=True)))
+        out["kvsdk_over_native"] = {k: [round(x, 3) for x in v] for k, v in r.items()}
         print(
-            "kvsdk/native scheduler-side CPU, per step: "
-            + ", ".join(f"{k.total / k.steps / (n.total / n.steps):.2f}x" for k, n in runs)
+            f"kvsdk/native scheduler-side CPU at {max_tokens} output tokens, per step: "
+            + ", ".join(f"{x:.2f}x" for x in r["per_step"])
             + "; whole trace: "
-            + ", ".join(f"{k.total / n.total:.2f}x" for k, n in runs)
+            + ", ".join(f"{x:.2f}x" for x in r["whole_trace"])
             + "; all steps looking requests up: "
-            + ", ".join(f"{sum(k.looking_up) / sum(n.looking_up):.2f}x" for k, n in runs)
+            + ", ".join(f"{x:.2f}x" for x in r["lookup_steps"])
             + "; all other steps: "
-            + ", ".join(f"{sum(k.other) / sum(n.other):.2f}x" for k, n in runs)
+            + ", ".join(f"{x:.2f}x" for x in r["other_steps"])
         )
+    return out
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """us/step of each connector and kvsdk/native per step, against the output length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    xs = [row["max_tokens"] for row in rows]
+    for connector in rows[0]["us_per_step"]:
+        ys = [statistics.median(row["us_per_step"][connector]) for row in rows]
+        left.plot(xs, ys, marker="o", label=connector)
+    left.set(xscale="log", xlabel="output tokens per request", ylabel="us/step (median of runs)")
+    left.set_title("scheduler-side hook CPU per engine step")
+    left.legend()
+    if "kvsdk_over_native" in rows[0]:
+        ys = [statistics.median(row["kvsdk_over_native"]["per_step"]) for row in rows]
+        right.plot(xs, ys, marker="o", color="C2", label="kvsdk / native")
+        right.axhline(0.5, color="grey", linestyle="--", label="0.5x")
+        right.set(xscale="log", xlabel="output tokens per request", ylabel="ratio per step")
+        right.set_ylim(0, max(1.0, *ys))
+        right.set_title("kvsdk / native, per step")
+        right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> None:
+    prof = cProfile.Profile() if args.profile else None
+    rows = []
+    for max_tokens in args.max_tokens:
+        results: dict[str, list[Result]] = {}
+        for _ in range(args.repeats):
+            for connector in args.connectors.split(","):
+                result = run_trace(
+                    connector, args, max_tokens, prof if connector == "kvsdk" else None
+                )
+                report(connector, args, max_tokens, result)
+                # the trace froze its scheduler into the permanent generation: let
+                # it go, or each run's 2 GiB of host tier stays mapped to the end
+                gc.unfreeze()
+                gc.collect()
+                results.setdefault(connector, []).append(result)
+        rows.append(summary(max_tokens, results))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        setup = {k: v for k, v in vars(args).items() if k not in ("out", "profile", "sort")}
+        doc = {"setup": setup, "rows": rows}
+        (args.out / "profile_scheduler_hooks.json").write_text(json.dumps(doc, indent=1) + "\n")
+        plot(rows, args.out / "profile_scheduler_hooks.png")
+        print(f"wrote {args.out}/profile_scheduler_hooks.json and .png")
     if prof is not None:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats(args.sort).print_stats(30)
@@ -311,6 +392,15 @@ def main() -> None:
         help="write this much memory between steps, as a forward pass evicts the caches",
     )
     ap.add_argument("--sort", default="tottime", help="pstats order with --profile")
+    ap.add_argument(
+        "--max-tokens",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[8],
+        help="output tokens per request; a comma list runs the trace at each (e.g. 8,64,256)",
+    )
+    ap.add_argument(
+        "--out", type=Path, default=None, help="write profile_scheduler_hooks.json and .png here"
+    )
     run(ap.parse_args())
 
 
