@@ -123,6 +123,10 @@ class JobLedger:
             for bid in self._allocated_this_step.intersection(self._block_fences):
                 self._flush_this_step.update(self._block_fences[bid])
 
+    def step_is_empty(self) -> bool:
+        """Nothing allocated or to flush this step so far (``end_step`` would return nothing)."""
+        return not (self._allocated_this_step or self._flush_this_step)
+
     def end_step(self) -> set[JobId]:
         flush = self._flush_this_step
         self._flush_this_step = set()

@@ -13,7 +13,7 @@ from kvsdk.ledger import JobLedger
 from kvsdk.metrics import Metrics
 from kvsdk.planner import LookupPlanner, PlanRequest
 from kvsdk.scheduler.request import RequestState, chunks_to_store, load_copies
-from kvsdk.scheduler.steps import DECODE_STORE_CHUNKS, StepJobs, WorkerResult
+from kvsdk.scheduler.steps import DECODE_STORE_CHUNKS, NO_JOBS, StepJobs, WorkerResult
 from kvsdk.scheduler.store_jobs import StoreJobs
 from kvsdk.scheduler.tail import (
     TAIL_CHUNK,
@@ -366,6 +366,15 @@ class OffloadScheduler:
         commit point); ``reallocated_block_ids``: other blocks written this
         step (e.g. copy-on-write destinations).
         """
+        if (
+            not (computed_after_step or new_block_ids or finished or self._step_loads)
+            and not (preempted or replace_block_ids or reallocated_block_ids)
+            and self.ledger.step_is_empty()
+        ):
+            # most steps of a decoding batch: nothing to store, load or flush
+            self._flush_metrics()
+            self.store.step()
+            return NO_JOBS
         # by incarnation (an id reused since its request finished names two)
         done = self._incarnations(finished) if self._finishing else dict[ReqKey, int](finished)
         replace = set(replace_block_ids)

@@ -27,6 +27,10 @@ class StepJobs:
     (their source blocks are about to be overwritten)."""
 
 
+NO_JOBS = StepJobs((), (), frozenset())
+"""A step with nothing to load, store or flush."""
+
+
 class WorkerResult(NamedTuple):
     job_id: int
     ok: bool = True

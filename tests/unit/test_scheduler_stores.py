@@ -7,7 +7,7 @@ import hashlib
 
 from kvsdk.config import load_config
 from kvsdk.keys import GroupLayout, Namespace
-from kvsdk.scheduler import DECODE_STORE_CHUNKS, OffloadScheduler, WorkerResult
+from kvsdk.scheduler import DECODE_STORE_CHUNKS, OffloadScheduler, StepJobs, WorkerResult
 from kvsdk.store.factory import build_store
 from kvsdk.types import GroupKind, KVGroupSpec
 
@@ -156,3 +156,26 @@ def test_a_mamba_groups_generated_chunks_are_stored_in_the_step_they_complete() 
         for c in stored_chunks(s, s.build_step(computed_after_step={"r": tokens})):
             stored_at[c] = tokens
     assert stored_at == {2: 3 * TPB, 3: 4 * TPB, 4: 5 * TPB}  # each at its boundary
+
+
+def test_a_step_with_nothing_to_do_has_no_jobs_and_a_load_or_preemption_makes_one() -> None:
+    s = make()
+    hashes = chain(2)
+    s.add_request("a", num_prompt_tokens=8, block_hashes=hashes)
+    assert s.lookup("a", 0) == 0
+    first = s.build_step(
+        computed_after_step={"a": 8}, new_block_ids={"a": [[1, 2]]}, replace_block_ids=["a"]
+    )
+    (store,) = first.stores  # in flight
+    # a decoding step that completes no chunk: nothing to load, store or flush
+    assert s.build_step(computed_after_step={}) == StepJobs((), (), frozenset())
+    # "a" preempted while its store reads its blocks: this step flushes it
+    assert s.build_step(computed_after_step={}, preempted=["a"]).flush == {store.job_id}
+    s.worker_results([WorkerResult(store.job_id)])
+    # a load queued between steps (the engine allocated a hit's blocks) is the next step's
+    s.add_request("b", num_prompt_tokens=9, block_hashes=hashes)
+    assert s.lookup("b", 0) == 8
+    s.allocated("b", [[5, 6, 7]], 8)
+    (load,) = s.build_step(computed_after_step={}).loads
+    assert [c.engine_blocks for c in load.copies] == [[5, 6]]
+    assert s.build_step(computed_after_step={}) == StepJobs((), (), frozenset())

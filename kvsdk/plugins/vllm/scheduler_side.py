@@ -4,6 +4,7 @@ events and stats translated back."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -224,22 +225,28 @@ class SchedulerSide:
     def build_connector_meta(self, so: SchedulerOutput) -> KVSDKConnectorMetadata:
         new_blocks: dict[str, Sequence[Sequence[int]]] = {}
         resumed = set()
+        # tokens computed before this step, read from the step's own lists: a
+        # request's object is only read if it may complete a chunk (one of a few)
+        before: list[tuple[str, int]] = []
         for data in so.scheduled_new_reqs:
             new_blocks[data.req_id] = data.block_ids
             resumed.add(data.req_id)  # its full block list: replace
+            before.append((data.req_id, data.num_computed_tokens))
         cached = so.scheduled_cached_reqs
         for rid, ids in zip(cached.req_ids, cached.new_block_ids):
             if ids is not None:
                 new_blocks[rid] = ids
         resumed.update(cached.resumed_req_ids)
         computed: dict[str, int] = {}
-        requests, due = self.requests, self.core.store_due
-        for rid, n in so.num_scheduled_tokens.items():
-            req = requests.get(rid)
-            if req is None:
-                continue
-            upto = req.num_computed_tokens + n
+        requests, due, scheduled = self.requests, self.core.store_due, so.num_scheduled_tokens
+        for rid, done in itertools.chain(
+            before, zip(cached.req_ids, cached.num_computed_tokens, strict=True)
+        ):
+            upto = done + scheduled[rid]
             if upto >= due.get(rid, upto + 1):  # only requests that may complete a chunk
+                req = requests.get(rid)
+                if req is None:
+                    continue
                 computed[rid] = upto if upto < req.num_tokens else req.num_tokens
                 self.core.hashes_grew(rid, req.block_hashes)
         finished: dict[str, int] = {}
@@ -260,6 +267,8 @@ class SchedulerSide:
             # nothing to compute but tier I/O (lookups waiting on a promotion,
             # writes draining): sleep on it briefly rather than spin empty steps
             self.store.wait_io(IDLE_IO_WAIT_SECONDS)
+        if not (jobs.loads or jobs.stores or finished):
+            return KVSDKConnectorMetadata(flush=jobs.flush, sync_loads=self.sync_loads)
         job_requests = self.core.job_requests
         loads = {
             j.job_id: (rid, j) for rid, j in zip(job_requests(jobs.loads), jobs.loads, strict=True)
