@@ -58,7 +58,7 @@ native spec's) can use an idle core: part 3 is then the lenient case; run
    admitting a request costs both connectors far more than a decode step
    (``profile_scheduler_hooks.py --max-tokens 8,16,32,64,128,256`` draws the
    curve; at 8 tokens, where nearly every step admits or finishes requests,
-   kvsdk is ~0.75x native, at 32 ~0.52x, from 64 on <= 0.5x). The steps of a wave
+   kvsdk is ~0.75x native, from 32 on <= 0.5x). The steps of a wave
    are those from its first request's arrival through the step in which its
    last request finished; the steps after it, which only finish connector
    work, are not timed. Engine steps are counted as ``build_connector_meta``

@@ -36,9 +36,10 @@ Each request generates ``--max-tokens`` tokens (default 8: nearly every step
 admits or finishes requests, the hardest case for the ratio, since admitting a
 request costs both connectors far more than a decode step). A comma list runs
 the trace at each length and draws the curve; session 14 measured, at 32
-requests a wave, per step 0.72-0.78x at 8 tokens, 0.62-0.64x at 16,
-0.51-0.53x at 32, 0.47-0.48x at 64, 0.40x at 128 (the output length of
-``vllm bench serve``'s random dataset) and 0.36x at 256. ``--out DIR`` writes
+requests a wave (``--repeats 2 --requests 32 --waves 6 --max-tokens
+8,16,32,64,128,256``), kvsdk/native per step 0.72-0.76x at 8 tokens,
+0.58-0.72x at 16, 0.47-0.49x at 32, 0.41-0.42x at 64, 0.33-0.35x at 128 (the
+output length of ``vllm bench serve``'s random dataset) and 0.29-0.31x at 256. ``--out DIR`` writes
 ``profile_scheduler_hooks.json`` and a PNG of it there.
 
     python benchmarks/profile_scheduler_hooks.py [--waves 4] [--requests 64] [--repeats 3] [--profile]
