@@ -894,7 +894,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--trace-prefixes", type=int, default=8)
     ap.add_argument("--trace-prefix-tokens", type=_pair, default=(512, 1024))
     ap.add_argument("--trace-max-tokens", type=int, default=128,
-                    help="output tokens per trace request (vLLM's random dataset: 128)")  # fmt: skip
+                    help="output tokens per trace request "
+                    "(128: vllm bench serve's random dataset)")  # fmt: skip
     ap.add_argument("--tp-requests", type=int, default=16)
     ap.add_argument("--tp-prompt-tokens", type=_pair, default=(256, 768))
     ap.add_argument("--tp-max-tokens", type=int, default=32)

@@ -39,8 +39,8 @@ the trace at each length and draws the curve; session 14 measured, at 32
 requests a wave (``--repeats 2 --requests 32 --waves 6 --max-tokens
 8,16,32,64,128,256``), kvsdk/native per step 0.72-0.76x at 8 tokens,
 0.58-0.72x at 16, 0.47-0.49x at 32, 0.41-0.42x at 64, 0.33-0.35x at 128 (the
-output length of ``vllm bench serve``'s random dataset) and 0.29-0.31x at 256. ``--out DIR`` writes
-``profile_scheduler_hooks.json`` and a PNG of it there.
+output length of ``vllm bench serve``'s random dataset) and 0.29-0.31x at
+256. ``--out DIR`` writes ``profile_scheduler_hooks.json`` and a PNG of it there.
 
     python benchmarks/profile_scheduler_hooks.py [--waves 4] [--requests 64] [--repeats 3] [--profile]
         [--evict-mib 64] [--kvsdk-config '{"prompt_tail": false}'] [--max-tokens 8,64,256]
@@ -256,6 +256,11 @@ def run_trace(
                 (res.looking_up if looked_up else res.other).append(took)
     finally:
         sched.shutdown()
+    # the scheduler was frozen into the permanent generation above: let it go,
+    # or each run's host tier (2 GiB of shared memory) stays mapped to the end
+    del sched
+    gc.unfreeze()
+    gc.collect()
     return res
 
 
@@ -351,10 +356,6 @@ def run(args: argparse.Namespace) -> None:
                     connector, args, max_tokens, prof if connector == "kvsdk" else None
                 )
                 report(connector, args, max_tokens, result)
-                # the trace froze its scheduler into the permanent generation: let
-                # it go, or each run's 2 GiB of host tier stays mapped to the end
-                gc.unfreeze()
-                gc.collect()
                 results.setdefault(connector, []).append(result)
         rows.append(summary(max_tokens, results))
     if args.out is not None:
