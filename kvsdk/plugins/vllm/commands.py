@@ -199,7 +199,8 @@ def kvsdk_register_commands(commands: CommandRegistry) -> None:
     serve.add_argument(
         "--configs",
         default="none,kvsdk,native",
-        help="comma-separated, of none,kvsdk,native (none always runs: the baseline)",
+        help="comma-separated, of none,kvsdk,native,null (none always runs: the baseline; "
+        "null: a connector that moves nothing, the cost of vLLM's connector hooks alone)",
     )
     serve.add_argument(
         "--repeats", type=int, default=1, help="passes in both orders (1: each config twice)"

@@ -19,7 +19,7 @@ import vllm  # noqa: F401  (missing: a failure, never a skip; scripts/setup.sh v
 
 pytestmark = pytest.mark.integration
 
-CONFIGS = ("none", "kvsdk", "native")
+CONFIGS = ("none", "kvsdk", "native", "null")
 FIELDS = {
     "ttft_p50_ms", "ttft_p99_ms", "queued_p50_ms", "prefill_p50_ms", "throughput_tok_s",
     "cached_tokens", "prompt_tokens", "requests", "load_avg_1m", "engine_ttft_p50_ms",
@@ -54,10 +54,12 @@ def test_bench_serve_runs_every_configuration_end_to_end(tmp_path: Path) -> None
             assert 0 < row["engine_ttft_p50_ms"] <= row["ttft_p99_ms"]
             assert 0 <= row["pickup_p50_ms"] < row["ttft_p99_ms"]
         assert len({row["prompt_tokens"] for row in rows.values()}) == 1  # one workload
+        # the connector that moves nothing leaves vLLM's own cache as it is
+        assert rows["null"]["cached_tokens"] == rows["none"]["cached_tokens"]
     for c in CONFIGS:
         assert results[c]["0.0"]["cached_tokens"] == 0  # fresh conversations only
         assert results[c]["0.5"]["cached_tokens"] > 0  # the second turn repeats the first
-    for c in ("kvsdk", "native"):
+    for c in CONFIGS[1:]:
         ratios = r["over_none"][c]["0.0"]
         assert len(ratios["throughput_per_pass"]) == 2  # both orders
         assert all(x > 0 for x in ratios["throughput_per_pass"])
@@ -65,4 +67,7 @@ def test_bench_serve_runs_every_configuration_end_to_end(tmp_path: Path) -> None
         assert ratios["ttft_p50_pooled"] > 0  # over both passes' requests
         assert len(r["runs"][c][0]["0.0"]["ttfts_ms"]) == 4  # every request's TTFT
         assert len(r["runs"][c]) == 2 and set(r["runs"][c][0]) == {"0.0", "0.5"}
-    assert set(r["cost_at_zero_reuse"]) == {"kvsdk", "native"}
+    assert set(r["cost_at_zero_reuse"]) == set(CONFIGS[1:])
+    for c in ("kvsdk", "native"):  # their share over vLLM's connector hooks alone
+        assert r["over_none"][c]["0.5"]["over_null"]["throughput"] > 0
+    assert "vs the connector that moves nothing (null)" in proc.stdout

