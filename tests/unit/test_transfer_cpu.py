@@ -167,3 +167,42 @@ def test_a_worker_bound_to_one_cpu_stores_inline_whatever_the_machine_has(
     w = CPUTransferWorker()
     assert w.sync_stores
     w.shutdown()
+
+
+@pytest.mark.parametrize("direct_bytes", [0, 1 << 40])
+def test_a_block_out_of_range_fails_the_job_on_either_copy_path(
+    monkeypatch: pytest.MonkeyPatch, direct_bytes: int
+) -> None:
+    import kvsdk.transfer.cpu
+
+    monkeypatch.setattr(kvsdk.transfer.cpu, "DIRECT_COPY_BYTES", direct_bytes)
+    t = torch.zeros((4, 16), dtype=torch.int64)
+    w = CPUTransferWorker()
+    w.register([GroupLayers(0, (t,), 1)], torch.zeros((2, 128), dtype=torch.uint8))
+    for job_id, direction in ((5, Direction.LOAD), (6, Direction.STORE)):
+        bad = BlockCopies(0, np.array([99]), np.array([0]), np.array([0]))  # no block 99
+        w.submit(TransferJob(job_id, direction, (bad,)))
+        w.wait([job_id])
+        (res,) = w.poll()
+        assert not res.ok and res.error, direction
+    w.shutdown()
+
+
+@pytest.mark.parametrize("direct_bytes", [0, 1 << 40])
+def test_host_copies_stay_off_torchs_thread_team(
+    monkeypatch: pytest.MonkeyPatch, direct_bytes: int
+) -> None:
+    """On a CPU engine torch's OpenMP team is the model's: each torch copy would
+    end in a barrier every team thread must reach. Host rows go through numpy,
+    on the calling thread alone."""
+    import kvsdk.transfer.cpu
+
+    def no_torch_copies(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a torch copy on host tensors")
+
+    monkeypatch.setattr(kvsdk.transfer.cpu, "DIRECT_COPY_BYTES", direct_bytes)
+    monkeypatch.setattr(torch.Tensor, "copy_", no_torch_copies)
+    monkeypatch.setattr(torch.Tensor, "index_copy_", no_torch_copies)
+    monkeypatch.setattr(torch, "index_select", no_torch_copies)
+    for shared in (False, True):
+        roundtrip((2, 4, 8), 3, 2, 0, shared)

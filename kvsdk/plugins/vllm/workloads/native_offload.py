@@ -11,7 +11,7 @@ events, metrics) and swaps in a worker that copies with torch on the host:
   of each KV tensor, the host side one ``(num_chunks, blocks_per_chunk *
   page_bytes)`` tensor per KV tensor (allocated lazily, like any host buffer);
 - a job is, per KV tensor of each group, one call of kvsdk's own row copy
-  (:func:`kvsdk.transfer.cpu.copy_rows`: a strided ``copy_`` per run of rows
+  (:func:`kvsdk.transfer.cpu.copy_rows`: a strided copy per run of rows
   when runs are long, else a gather into a reused buffer and a scatter), on
   8-byte words where the layout allows, so both connectors copy the same way;
 - loads run on the calling thread (they are done when ``submit_load`` returns:
