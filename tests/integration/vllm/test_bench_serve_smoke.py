@@ -52,7 +52,8 @@ def test_bench_serve_runs_every_configuration_end_to_end(tmp_path: Path) -> None
             assert row["requests"] == 4 and row["throughput_tok_s"] > 0
             # the engine-side TTFT is the end-to-end one less the wait to be taken in
             assert 0 < row["engine_ttft_p50_ms"] <= row["ttft_p99_ms"]
-            assert 0 <= row["pickup_p50_ms"] < row["ttft_p99_ms"]
+            # pickup compares two processes' clocks through one offset: 1 ms of slack
+            assert -1.0 <= row["pickup_p50_ms"] < row["ttft_p99_ms"], (c, reuse, row)
         assert len({row["prompt_tokens"] for row in rows.values()}) == 1  # one workload
         # the connector that moves nothing leaves vLLM's own cache as it is
         assert rows["null"]["cached_tokens"] == rows["none"]["cached_tokens"]
