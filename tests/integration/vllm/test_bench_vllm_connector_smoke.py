@@ -57,7 +57,8 @@ GOALS = {
 def test_bench_vllm_connector_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--model-dir", str(tmp_path / "m")]
-    proc = subprocess.run(cmd + TINY, capture_output=True, text=True, timeout=300)
+    # a hang guard, not a measure: the run takes 215-225 s on a quiet 2-core VM
+    proc = subprocess.run(cmd + TINY, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "kvsdk/native" in proc.stdout  # the table
     assert out.with_suffix(".png").stat().st_size > 0
