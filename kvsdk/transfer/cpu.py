@@ -126,6 +126,7 @@ def copy_rows(
     256 KiB in 1.34 ms against torch's 1.48 ms, slowest of 30 1.43 ms against
     3.3-6.6 ms)."""
     s_np, d_np = _host_array(src), _host_array(dst)
+    host = None if s_np is None or d_np is None else (s_np, d_np)
     row_bytes = src.shape[1] * src.element_size()
     if len(src_idx) * row_bytes >= DIRECT_COPY_BYTES:
         runs = row_runs(src_idx.tolist(), dst_idx.tolist())
@@ -138,24 +139,28 @@ def copy_rows(
                         f"rows {s0}..{s_end - 1} -> {d0}..{d_end - 1} out of range of "
                         f"{len(src)} -> {len(dst)} rows"
                     )
-                if s_np is not None and d_np is not None:
-                    np.copyto(d_np[d0:d_end:dd], s_np[s0:s_end:ds])
+                if host is not None:
+                    np.copyto(host[1][d0:d_end:dd], host[0][s0:s_end:ds])
                 else:
                     dst[d0:d_end:dd].copy_(src[s0:s_end:ds])
             return
     buf = stage()
     b_np = _host_array(buf)
     step = buf.shape[0]
+    if host is not None and b_np is not None:
+        s_rows, d_rows = host
+        s_ids, d_ids = src_idx.numpy(), dst_idx.numpy()
+        if len(s_ids) and min(s_ids.min(), d_ids.min()) < 0:  # numpy would wrap them
+            raise IndexError(f"negative row in {s_ids.tolist()} -> {d_ids.tolist()}")
+        for i in range(0, len(s_ids), step):
+            piece = b_np[: len(s_ids[i : i + step])]
+            np.take(s_rows, s_ids[i : i + step], axis=0, out=piece)
+            d_rows[d_ids[i : i + step]] = piece
+        return
     for i in range(0, len(src_idx), step):
-        s_ids, d_ids = src_idx[i : i + step], dst_idx[i : i + step]
-        if s_np is not None and d_np is not None and b_np is not None:
-            piece_np = b_np[: len(s_ids)]
-            np.take(s_np, s_ids.numpy(), axis=0, out=piece_np)
-            d_np[d_ids.numpy()] = piece_np
-        else:
-            piece = buf[: len(s_ids)]
-            torch.index_select(src, 0, s_ids, out=piece)
-            dst.index_copy_(0, d_ids, piece)
+        piece_t = buf[: len(src_idx[i : i + step])]
+        torch.index_select(src, 0, src_idx[i : i + step], out=piece_t)
+        dst.index_copy_(0, dst_idx[i : i + step], piece_t)
 
 
 class _GroupPlan:

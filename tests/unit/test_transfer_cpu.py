@@ -206,3 +206,13 @@ def test_host_copies_stay_off_torchs_thread_team(
     monkeypatch.setattr(torch, "index_select", no_torch_copies)
     for shared in (False, True):
         roundtrip((2, 4, 8), 3, 2, 0, shared)
+
+
+def test_a_negative_row_fails_the_gathered_copy_instead_of_wrapping() -> None:
+    from kvsdk.transfer.cpu import copy_rows
+
+    src, dst = torch.arange(8, dtype=torch.int64).view(4, 2), torch.zeros((4, 2), dtype=torch.int64)
+    stage = torch.empty((4, 2), dtype=torch.int64)
+    with pytest.raises(IndexError):
+        copy_rows(src, torch.tensor([1]), dst, torch.tensor([-1]), lambda: stage)
+    assert not dst.any()  # nothing written to the last row

@@ -347,6 +347,7 @@ def run_bench(
         }
         for c in configs
     }
+    pooled = {c: {x: _pooled_p50(runs[c], x) for x in map(str, reuses)} for c in configs}
     ratios: dict[str, dict[str, dict[str, Any]]] = {}
     for c in configs[1:]:
         ratios[c] = {}
@@ -360,10 +361,10 @@ def run_bench(
                 per_pass = [run[x][fig] / none[x][fig] for run, none in zip(runs[c], runs["none"])]
                 row[key] = statistics.fmean(per_pass)
                 row[f"{key}_per_pass"] = per_pass
-            row["ttft_p50_pooled"] = _pooled_p50(runs[c], x) / _pooled_p50(runs["none"], x)
+            row["ttft_p50_pooled"] = pooled[c][x] / pooled["none"][x]
             if "null" in configs and c != "null":  # the connector's own share
                 row["over_null"] = {
-                    "ttft_p50_pooled": _pooled_p50(runs[c], x) / _pooled_p50(runs["null"], x),
+                    "ttft_p50_pooled": pooled[c][x] / pooled["null"][x],
                     "throughput": statistics.fmean(
                         run[x]["throughput_tok_s"] / null[x]["throughput_tok_s"]
                         for run, null in zip(runs[c], runs["null"])
@@ -469,7 +470,7 @@ def format_report(r: dict[str, Any]) -> str:
             cells = [
                 f"{c} {q['ttft_p50_pooled']:.3f}x / {q['throughput']:.3f}x"
                 for c in configs
-                if (q := r["over_none"].get(c, {}).get(str(x), {}).get("over_null"))
+                if c not in ("none", "null") and (q := r["over_none"][c][str(x)]["over_null"])
             ]
             lines.append(f"{100 * x:>5.0f}%  " + "   ".join(cells))
     w = r["workload"]

@@ -28,8 +28,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
-MODULE = __name__
-
 
 class NullConnector(KVConnectorBase_V1):
     # -- scheduler side: no request has tokens here, nothing to do after allocation --
