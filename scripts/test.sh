@@ -14,12 +14,12 @@ echo "== pytest"
 set +e
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-$V/python -m pytest -q -rs -p no:cacheprovider --ignore=tests/integration/sglang "$@" | tee "$log"
+$V/python -m pytest -q -rs -p no:cacheprovider --durations=30 --ignore=tests/integration/sglang "$@" | tee "$log"
 rc=${PIPESTATUS[0]}
 rc_sgl=0
 if [[ $# -eq 0 ]]; then
     echo "== pytest (SGLang adapter, .venv-sglang)"
-    .venv-sglang/bin/python -m pytest -q -rs -p no:cacheprovider tests/integration/sglang | tee -a "$log"
+    .venv-sglang/bin/python -m pytest -q -rs -p no:cacheprovider --durations=10 tests/integration/sglang | tee -a "$log"
     rc_sgl=${PIPESTATUS[0]}
 fi
 set -e
