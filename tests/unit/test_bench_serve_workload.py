@@ -1,11 +1,18 @@
 """``kvsdk bench serve``'s conversations: real-looking prompt lengths (not multiples
-of a block), each turn repeating the conversation so far, within the model's length."""
+of a block), each turn repeating the conversation so far, within the model's length;
+and the interval its report puts around a TTFT ratio."""
 
 from __future__ import annotations
 
 import itertools
 
-from kvsdk.plugins.vllm.workloads.bench_serve import MAX_PROMPT_TOKENS, conversations
+import pytest
+
+from kvsdk.plugins.vllm.workloads.bench_serve import (
+    MAX_PROMPT_TOKENS,
+    _ratio_interval,
+    conversations,
+)
 
 
 def _shared_prefix(a: list[int], b: list[int]) -> int:
@@ -45,3 +52,22 @@ def test_a_conversation_outgrowing_the_model_starts_again() -> None:
         for p in rnd:
             assert len(p) <= MAX_PROMPT_TOKENS
             assert p[:600] == system  # every conversation starts with the system prompt
+
+
+def _run(ttfts: list[float]) -> dict[str, dict[str, list[float]]]:
+    return {"0.9": {"ttfts_ms": sorted(ttfts)}}
+
+
+def test_the_ratio_interval_is_tight_when_every_pass_agrees() -> None:
+    base = [_run([10.0 + i + k for k in range(32)]) for i in range(4)]
+    slower = [_run([1.2 * t for t in b["0.9"]["ttfts_ms"]]) for b in base]
+    lo, hi = _ratio_interval(slower, base, "0.9")
+    assert lo == pytest.approx(1.2) and hi == pytest.approx(1.2)
+
+
+def test_the_ratio_interval_widens_with_passes_that_disagree() -> None:
+    base = [_run([10.0] * 32) for _ in range(6)]
+    noisy = [_run([f * 10.0] * 32) for f in (0.8, 0.9, 1.0, 1.1, 1.2, 1.3)]
+    lo, hi = _ratio_interval(noisy, base, "0.9")
+    assert lo < 1.0 < hi
+    assert lo >= 0.8 and hi <= 1.3

@@ -261,6 +261,29 @@ def _pooled_p50(runs: list[dict[str, Any]], reuse: str) -> float:
     return float(statistics.median(t for run in runs for t in run[reuse]["ttfts_ms"]))
 
 
+def _ratio_interval(
+    runs: list[dict[str, Any]],
+    base: list[dict[str, Any]],
+    reuse: str,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """A 90 % bootstrap interval of the pooled-p50 TTFT ratio ``runs`` / ``base``:
+    passes are drawn with replacement, a pass's two runs together (they ran
+    side by side), and each draw's pooled medians compared. It says whether a
+    ratio is told apart from 1 by this many passes on this machine."""
+    rng = random.Random(seed)
+    n = min(len(runs), len(base))
+    ratios = []
+    for _ in range(resamples):
+        picks = [rng.randrange(n) for _ in range(n)]
+        top = statistics.median(t for i in picks for t in runs[i][reuse]["ttfts_ms"])
+        bottom = statistics.median(t for i in picks for t in base[i][reuse]["ttfts_ms"])
+        ratios.append(top / bottom)
+    ratios.sort()
+    return ratios[int(0.05 * resamples)], ratios[int(0.95 * resamples) - 1]
+
+
 def _p50_ms(values: list[float]) -> float:
     return 1e3 * statistics.median(values) if values else float("nan")
 
@@ -362,9 +385,11 @@ def run_bench(
                 row[key] = statistics.fmean(per_pass)
                 row[f"{key}_per_pass"] = per_pass
             row["ttft_p50_pooled"] = pooled[c][x] / pooled["none"][x]
+            row["ttft_p50_pooled_90ci"] = _ratio_interval(runs[c], runs["none"], x)
             if "null" in configs and c != "null":  # the connector's own share
                 row["over_null"] = {
                     "ttft_p50_pooled": pooled[c][x] / pooled["null"][x],
+                    "ttft_p50_pooled_90ci": _ratio_interval(runs[c], runs["null"], x),
                     "throughput": statistics.fmean(
                         run[x]["throughput_tok_s"] / null[x]["throughput_tok_s"]
                         for run, null in zip(runs[c], runs["null"])
@@ -459,7 +484,8 @@ def format_report(r: dict[str, Any]) -> str:
             cells.append(
                 f"{c} {q['ttft_p50']:.3f}x / {q['throughput']:.3f}x cached {share:.2f} "
                 f"(engine-side TTFT {q['engine_ttft_p50']:.3f}x; p50 TTFT over every "
-                f"pass's requests {q['ttft_p50_pooled']:.3f}x)"
+                f"pass's requests {q['ttft_p50_pooled']:.3f}x, 90% interval "
+                f"{_interval(q)})"
             )
         lines.append(f"{100 * x:>5.0f}%  " + "   ".join(cells))
     if "null" in configs:
@@ -468,7 +494,7 @@ def format_report(r: dict[str, Any]) -> str:
         )
         for x in r["workload"]["reuse_rates"]:
             cells = [
-                f"{c} {q['ttft_p50_pooled']:.3f}x / {q['throughput']:.3f}x"
+                f"{c} {q['ttft_p50_pooled']:.3f}x ({_interval(q)}) / {q['throughput']:.3f}x"
                 for c in configs
                 if c not in ("none", "null") and (q := r["over_none"][c][str(x)]["over_null"])
             ]
@@ -485,6 +511,11 @@ def format_report(r: dict[str, Any]) -> str:
             + ", ".join(f"{c} {v:.3f}x" for c, v in cost.items())
         )
     return "\n".join(lines)
+
+
+def _interval(q: dict[str, Any]) -> str:
+    lo, hi = q.get("ttft_p50_pooled_90ci") or (float("nan"), float("nan"))
+    return f"{lo:.3f}-{hi:.3f}"
 
 
 def main() -> None:
