@@ -66,6 +66,8 @@ def test_bench_serve_runs_every_configuration_end_to_end(tmp_path: Path) -> None
         assert all(x > 0 for x in ratios["throughput_per_pass"])
         assert len(ratios["engine_ttft_p50_per_pass"]) == 2
         assert ratios["ttft_p50_pooled"] > 0  # over both passes' requests
+        lo, hi = ratios["ttft_p50_pooled_90ci"]  # passes drawn with replacement
+        assert lo <= ratios["ttft_p50_pooled"] <= hi
         assert len(r["runs"][c][0]["0.0"]["ttfts_ms"]) == 4  # every request's TTFT
         assert len(r["runs"][c]) == 2 and set(r["runs"][c][0]) == {"0.0", "0.5"}
     assert set(r["cost_at_zero_reuse"]) == set(CONFIGS[1:])
