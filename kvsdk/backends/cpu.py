@@ -20,7 +20,7 @@ from kvsdk.backend import Buffer, HostTier, TierContext
 from kvsdk.config import BYTES
 from kvsdk.eviction import EvictionPolicy, LRUPolicy
 from kvsdk.hooks import hookimpl
-from kvsdk.prefault import start_prefault
+from kvsdk.prefault import Prefault
 from kvsdk.slab import SharedSlab, SlabGeometry
 from kvsdk.types import ChunkKey, Locality, Medium
 
@@ -69,8 +69,11 @@ class CPUBackend(HostTier):
             self._slab = self._shared.tensor  # each worker pins its own mapping for DMA
         else:
             self._slab = torch.empty((n, self.slot_bytes), dtype=torch.uint8, pin_memory=pin)
-            if options.prefault and not pin:  # pinning commits the pages already
-                start_prefault(self._slab.data_ptr(), self._slab.nbytes, self._slab, "cpu tier")
+        self._prefault: Prefault | None = None
+        if self._shared is None and options.prefault and not pin:  # pinning commits them
+            self._prefault = Prefault(
+                self._slab.data_ptr(), self._slab.nbytes, self._slab, "cpu tier"
+            )
         self._np = self._slab.numpy()
         self._free: list[int] = list(range(n - 1, -1, -1))
         self._slot: dict[ChunkKey, int] = {}
@@ -171,11 +174,19 @@ class CPUBackend(HostTier):
         n = len(keys)
         slots = self._free[: -n - 1 : -1]  # the same slots, in the same order, as n pops
         del self._free[len(self._free) - n :]
+        if slots:  # never-used slots go lowest first: the prefault keeps ahead of them
+            self._stores_reached(max(slots) + 1)
         self._slot.update(zip(keys, slots))
         self._state.update(dict.fromkeys(keys, _WRITING))
         self._owner.update(dict.fromkeys(keys, owner))
         self._usage[owner] += n
         return slots, evicted
+
+    def _stores_reached(self, end_slot: int) -> None:
+        if self._shared is not None:
+            self._shared.stores_reached(end_slot)
+        elif self._prefault is not None:
+            self._prefault.reached(end_slot * self.slot_bytes)
 
     def usage(self, owner: str = "") -> int:
         """Slots held (readable or being written) by ``owner``."""

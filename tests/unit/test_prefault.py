@@ -1,19 +1,25 @@
-"""The host tier's memory is committed at start (``kvsdk.prefault``): the shared
-slab's pages exist once its creator's prefault thread is done, in every
-attaching process too, with the slab's content untouched; ``prefault: false``
-leaves them to the first store, as before."""
+"""The host tier's memory is committed ahead of the stores (``kvsdk.prefault``):
+the shared slab's pages exist once its creator's prefault thread has walked
+them, in every attaching process too, with the slab's content untouched; the
+walk keeps a fixed distance past the slots stores reach, not the whole tier at
+start; ``prefault: false`` leaves the pages to the first store, as before."""
 
 from __future__ import annotations
 
 import os
+import time
 import uuid
+from collections.abc import Callable
 
+import pytest
 import torch
 
+import kvsdk.prefault
 from kvsdk.backend import SlabRequest, TierContext
 from kvsdk.backends.cpu import CPUBackend, CPUOptions
-from kvsdk.prefault import populate
-from kvsdk.slab import SHM_DIR, SharedSlab, SlabGeometry, segment_name
+from kvsdk.prefault import Prefault, populate
+from kvsdk.slab import HEADER_BYTES, SHM_DIR, SharedSlab, SlabGeometry, segment_name
+from kvsdk.types import ChunkKey
 
 GEOMETRY = SlabGeometry(num_slots=64, region_bytes=256 << 10, num_regions=1)  # 16 MiB
 
@@ -38,7 +44,7 @@ def test_a_prefaulted_slab_has_every_page_and_keeps_what_was_stored() -> None:
         slab.prefault()
         assert slab.prefaulting is not None
         slab.prefaulting.join(30)
-        assert not slab.prefaulting.is_alive()
+        assert not slab.prefaulting.thread.is_alive()
         if kernel_has_populate_write():
             assert allocated_bytes(slab) >= GEOMETRY.nbytes
         assert torch.equal(slab.tensor[3], pattern)  # populate writes nothing
@@ -91,3 +97,67 @@ def test_the_cpu_tier_prefaults_by_default_and_not_when_told_so() -> None:
 def test_populate_reports_whether_the_kernel_could() -> None:
     buf = torch.empty(8 << 20, dtype=torch.uint8)
     assert populate(buf.data_ptr(), buf.nbytes) is kernel_has_populate_write()
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.skipif(not kernel_has_populate_write(), reason="kernel before 5.14")
+def test_the_walk_keeps_its_distance_ahead_of_the_stores_not_the_whole_tier() -> None:
+    geometry = SlabGeometry(num_slots=64, region_bytes=MiB, num_regions=1)  # 64 MiB
+    slab = SharedSlab.create(segment_name(f"test-prefault-{uuid.uuid4()}"), geometry)
+    try:
+        addr = slab.tensor.data_ptr() - HEADER_BYTES
+        walk = Prefault(addr, geometry.nbytes, slab.tensor, "test", ahead=8 * MiB)
+        assert wait_for(lambda: walk.committed_bytes >= 8 * MiB)
+        time.sleep(0.2)  # it stops there
+        assert walk.committed_bytes == 8 * MiB and not walk.done
+        assert 8 * MiB <= allocated_bytes(slab) < 9 * MiB
+        walk.reached(32 * MiB)
+        assert wait_for(lambda: walk.committed_bytes >= 40 * MiB)
+        assert 40 * MiB <= allocated_bytes(slab) < 41 * MiB
+        walk.reached(geometry.nbytes)  # past the end: the rest, then the thread ends
+        walk.join(30)
+        assert walk.done and not walk.thread.is_alive()
+        assert allocated_bytes(slab) >= geometry.nbytes
+    finally:
+        slab.unlink()
+
+
+@pytest.mark.skipif(not kernel_has_populate_write(), reason="kernel before 5.14")
+def test_the_cpu_tier_walks_ahead_of_the_slots_it_hands_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kvsdk.prefault, "AHEAD_BYTES", MiB)
+    name = segment_name(f"test-prefault-{uuid.uuid4()}")
+    ctx = TierContext(
+        namespace_fp=bytes(16),
+        namespace_hex="00" * 16,
+        chunk_bytes=256 << 10,
+        slab=SlabRequest(name=name, regions=1),
+    )
+    tier = CPUBackend(CPUOptions(capacity=16 * MiB), ctx)  # 64 slots of 256 KiB
+    shared = tier._shared
+    assert shared is not None and shared.prefaulting is not None
+    walk = shared.prefaulting
+    try:
+        assert wait_for(lambda: walk.committed_bytes >= MiB)
+        assert allocated_bytes(shared) < 2 * MiB  # one MiB ahead of no store yet
+        keys = [ChunkKey(bytes([i]) * 16) for i in range(48)]
+        assert tier.reserve(keys[:8]) is not None  # slots 0-7: 2 MiB
+        assert wait_for(lambda: walk.committed_bytes >= 3 * MiB)
+        assert tier.reserve(keys[8:]) is not None  # slots up to 47: 12 MiB
+        assert wait_for(lambda: walk.committed_bytes >= 13 * MiB)
+        assert 13 * MiB <= allocated_bytes(shared) < 14 * MiB + HEADER_BYTES
+    finally:
+        tier.close()
+        shared.unlink()

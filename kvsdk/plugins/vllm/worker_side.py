@@ -109,7 +109,12 @@ class WorkerSide:
             self._meta.completed[job.job_id] = self._meta.completed.get(job.job_id, 0) + 1
             return
         self._submitted.add(job.job_id)
-        self._attach().submit(job)
+        xfer = self._attach()
+        if job.direction is Direction.STORE and self._slab is not None:
+            # this process's prefault walk keeps ahead of the slots stores reach
+            end = max((int(max(c.slots)) + 1 for c in job.copies if c.num_blocks), default=0)
+            self._slab.stores_reached(end)
+        xfer.submit(job)
 
     def _submit_stores(self, meta: KVSDKConnectorMetadata, only: frozenset[int] | None) -> None:
         for job in meta.stores:
