@@ -18,7 +18,7 @@ import kvsdk.prefault
 from kvsdk.backend import SlabRequest, TierContext
 from kvsdk.backends.cpu import CPUBackend, CPUOptions
 from kvsdk.prefault import Prefault, populate
-from kvsdk.slab import HEADER_BYTES, SHM_DIR, SharedSlab, SlabGeometry, segment_name
+from kvsdk.slab import HEADER_BYTES, SharedSlab, SlabGeometry, segment_name
 from kvsdk.types import ChunkKey
 
 GEOMETRY = SlabGeometry(num_slots=64, region_bytes=256 << 10, num_regions=1)  # 16 MiB
@@ -68,16 +68,20 @@ def test_an_attaching_process_prefaults_its_own_mapping() -> None:
         slab.unlink()
 
 
+def shared_cpu_tier(prefault: bool = True) -> CPUBackend:
+    """A 16 MiB cpu tier of 256 KiB slots in shared memory (as under vLLM)."""
+    ctx = TierContext(
+        namespace_fp=bytes(16),
+        namespace_hex="00" * 16,
+        chunk_bytes=256 << 10,
+        slab=SlabRequest(name=segment_name(f"test-prefault-{uuid.uuid4()}"), regions=1),
+    )
+    return CPUBackend(CPUOptions(capacity=16 << 20, prefault=prefault), ctx)
+
+
 def test_the_cpu_tier_prefaults_by_default_and_not_when_told_so() -> None:
     for prefault in (True, False):
-        name = segment_name(f"test-prefault-{uuid.uuid4()}")
-        ctx = TierContext(
-            namespace_fp=bytes(16),
-            namespace_hex="00" * 16,
-            chunk_bytes=256 << 10,
-            slab=SlabRequest(name=name, regions=1),
-        )
-        tier = CPUBackend(CPUOptions(capacity=16 << 20, prefault=prefault), ctx)
+        tier = shared_cpu_tier(prefault)
         shared = tier._shared
         assert shared is not None
         try:
@@ -91,7 +95,7 @@ def test_the_cpu_tier_prefaults_by_default_and_not_when_told_so() -> None:
         finally:
             tier.close()
             shared.unlink()
-        assert not (SHM_DIR / name).exists()
+        assert not shared.path.exists()
 
 
 def test_populate_reports_whether_the_kernel_could() -> None:
@@ -138,14 +142,7 @@ def test_the_cpu_tier_walks_ahead_of_the_slots_it_hands_out(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(kvsdk.prefault, "AHEAD_BYTES", MiB)
-    name = segment_name(f"test-prefault-{uuid.uuid4()}")
-    ctx = TierContext(
-        namespace_fp=bytes(16),
-        namespace_hex="00" * 16,
-        chunk_bytes=256 << 10,
-        slab=SlabRequest(name=name, regions=1),
-    )
-    tier = CPUBackend(CPUOptions(capacity=16 * MiB), ctx)  # 64 slots of 256 KiB
+    tier = shared_cpu_tier()  # 64 slots of 256 KiB
     shared = tier._shared
     assert shared is not None and shared.prefaulting is not None
     walk = shared.prefaulting
