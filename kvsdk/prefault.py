@@ -96,7 +96,7 @@ class Prefault:
         self._base = addr
         self._lo = _page_up(addr)
         self._hi = max(self._lo, _page_down(addr + nbytes))
-        self.committed = self._lo
+        self._committed = self._lo
         """Absolute address the walk has committed up to (from the first whole page)."""
         self._target = self._lo
         self._cond = threading.Condition()
@@ -107,11 +107,11 @@ class Prefault:
 
     @property
     def done(self) -> bool:
-        return self.committed >= self._hi
+        return self._committed >= self._hi
 
     @property
     def committed_bytes(self) -> int:
-        return self.committed - self._lo
+        return self._committed - self._lo
 
     def reached(self, offset: int) -> None:
         """Stores have reached byte ``offset`` of the memory: commit ``ahead`` past it."""
@@ -130,14 +130,14 @@ class Prefault:
         started = time.perf_counter()
         while not self.done:
             with self._cond:
-                while self._target <= self.committed:
+                while self._target <= self._committed:
                     if not self._cond.wait(timeout=5.0) and self._owner() is None:
                         return
                 target = self._target
             owner = self._owner()
             if owner is None:
                 return
-            ok = populate(self.committed, target - self.committed)
+            ok = populate(self._committed, target - self._committed)
             del owner
             if not ok:
                 log.debug(
@@ -145,7 +145,7 @@ class Prefault:
                     self.what,
                 )
                 return
-            self.committed = target
+            self._committed = target
         log.debug(
             "kvsdk: %s: %.2f GiB committed, the last step %.2f s after the start",
             self.what,

@@ -164,6 +164,11 @@ class SharedSlab:
             addr = self.tensor.data_ptr() - HEADER_BYTES  # the mapping's start: page-aligned
             self.prefaulting = Prefault(addr, self.geometry.nbytes, self._mmap, self.name)
 
+    @property
+    def walking(self) -> bool:
+        """Whether this process's prefault walk still wants :meth:`stores_reached`."""
+        return self.prefaulting is not None and not self.prefaulting.done
+
     def stores_reached(self, end_slot: int) -> None:
         """Stores in this process have reached the slots below ``end_slot``."""
         if self.prefaulting is not None:

@@ -110,8 +110,9 @@ class WorkerSide:
             return
         self._submitted.add(job.job_id)
         xfer = self._attach()
-        if job.direction is Direction.STORE and self._slab is not None:
-            # this process's prefault walk keeps ahead of the slots stores reach
+        if job.direction is Direction.STORE and self._slab is not None and self._slab.walking:
+            # this process's prefault walk keeps ahead of the slots stores reach (once
+            # the whole slab is committed, a store step does not look at its slots)
             end = max((int(max(c.slots)) + 1 for c in job.copies if c.num_blocks), default=0)
             self._slab.stores_reached(end)
         xfer.submit(job)
