@@ -93,8 +93,18 @@ class TierConfig:
     """The backend's own ``Options`` dataclass instance."""
 
 
+ADMISSION_POLICIES = ("auto", "second_sight", "all")
+
+
 @dataclass(frozen=True)
 class AdmissionConfig:
+    policy: str = "auto"
+    """``all``: store every chunk. ``second_sight``: store every chunk while at
+    least 1 in 32 of the chunks seen comes back, otherwise only the ones seen
+    before (a prompt that never repeats is not copied; see ``kvsdk.admission``).
+    ``auto``: ``second_sight`` where every tier is private to this engine (the
+    default host tier), ``all`` where another engine may read a tier (Redis,
+    disk)."""
     min_lookups: int = 0
     """Store a chunk only after it was looked up this many times (0: always)."""
 
@@ -384,6 +394,11 @@ def _check(
         raise ConfigError(
             f"prompt_tail_share: got {cfg.prompt_tail_share}; expected a share of the host "
             "tier in (0, 1]"
+        )
+    if cfg.admission.policy not in ADMISSION_POLICIES:
+        raise ConfigError(
+            f"admission.policy: got {cfg.admission.policy!r}; expected one of: "
+            f"{', '.join(ADMISSION_POLICIES)}"
         )
     if cfg.admission.min_lookups < 0:
         raise ConfigError(

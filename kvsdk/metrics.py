@@ -27,6 +27,7 @@ COUNTERS = {
     "kvsdk_stored_bytes_total": "Bytes stored, by tier",
     "kvsdk_loaded_bytes_total": "Bytes loaded into the engine or promoted, by tier",
     "kvsdk_allocation_failures_total": "Stores refused for lack of room",
+    "kvsdk_admission_skipped_total": "Chunks not stored on their first sight (no reuse seen)",
     "kvsdk_evictions_total": "Chunks evicted, by tier",
     "kvsdk_backend_errors_total": "Backend failures degraded to misses, by tier",
     "kvsdk_corrupt_chunks_total": "Chunks that failed integrity checks, by tier",

@@ -35,7 +35,8 @@ class StoreJobs:
         tails = [r for r in tails if r.tail and tail_blocks_ready(r.tail, self.groups, r.block_ids)]
         keys = [k for _, _, ks in found for k in ks]
         tail_keys = [k for r in tails if r.tail for k in r.tail.keys]
-        plan = self.store.prepare_store(keys, tenant, tails=tail_keys)
+        prompts = sum(1 for _, chosen, _ in found if any(c and c[0] == 0 for c in chosen))
+        plan = self.store.prepare_store(keys, tenant, tails=tail_keys, prompts=prompts)
         if plan is None:  # the tier cannot take them all at once: one part at a time
             parts = _per_request(found, tails)
             if len(parts) == 1:  # one request: each chunk candidate, then its tail

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from functools import partial
 
 from kvsdk import plugins_manager
+from kvsdk.admission import SecondSight
 from kvsdk.backend import Backend, HostTier, SlabRequest, TierContext
 from kvsdk.config import ConfigError, KVSDKConfig, TierConfig
 from kvsdk.events import EventSink, EventTracker, KVEvent
@@ -115,10 +116,24 @@ def build_store(
         events=events,
         metrics=metrics or Metrics(),
         min_lookups=config.admission.min_lookups,
+        second_sight=_second_sight(config, [host, *lower]),
         tenant_quotas=config.tenant_quotas,
         tail_share=config.prompt_tail_share,
         io_threads=config.io_threads,
     )
+
+
+def _second_sight(config: KVSDKConfig, tiers: Sequence[Backend]) -> SecondSight | None:
+    """The admission ``config`` asks for over ``tiers`` (see ``AdmissionConfig.policy``)."""
+    policy = config.admission.policy
+    if policy == "auto":
+        private = all(t.locality is Locality.PROCESS for t in tiers)
+        policy = "second_sight" if private else "all"
+    if policy != "second_sight":
+        return None
+    host = tiers[0]
+    assert isinstance(host, HostTier)
+    return SecondSight(memory=4 * host.num_slots + 1024)
 
 
 class StoreHandle:

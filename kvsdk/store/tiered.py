@@ -39,6 +39,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvsdk.admission import SecondSight
 from kvsdk.backend import Backend, HostTier
 from kvsdk.events import EventKind, EventTracker
 from kvsdk.metrics import Metrics
@@ -117,6 +118,7 @@ class TieredStore:
         events: EventTracker | None = None,
         metrics: Metrics | None = None,
         min_lookups: int = 0,
+        second_sight: SecondSight | None = None,
         io_threads: int = 4,
         tenant_quotas: Mapping[str, float] | Sequence[tuple[str, float]] | None = None,
         tail_share: float = 1.0,
@@ -127,6 +129,8 @@ class TieredStore:
         self.events = events or EventTracker()
         self.metrics = metrics or Metrics()
         self.min_lookups = min_lookups
+        self.second_sight = second_sight
+        """Stores only chunks seen before while the workload does not reuse (None: every one)."""
         self.tenant_quotas = dict(tenant_quotas or {})
         self.tail_slots = max(1, int(tail_share * host.num_slots))
         """Host slots prompt tails may hold together (``prompt_tail_share``)."""
@@ -213,6 +217,8 @@ class TieredStore:
 
     # -- loads ---------------------------------------------------------------------------
     def prepare_load(self, keys: Sequence[ChunkKey]) -> list[int]:
+        if self.second_sight is not None:
+            self.second_sight.served(len(keys))
         return self.host.pin_readable(keys)
 
     def complete_load(self, keys: Sequence[ChunkKey]) -> None:
@@ -232,15 +238,24 @@ class TieredStore:
         return None if share is None else max(1, int(share * self.host.num_slots))
 
     def prepare_store(
-        self, keys: Sequence[ChunkKey], tenant: str = "", tails: Sequence[ChunkKey] = ()
+        self,
+        keys: Sequence[ChunkKey],
+        tenant: str = "",
+        tails: Sequence[ChunkKey] = (),
+        prompts: int = 0,
     ) -> StorePlan | None:
         """``tenant``'s account is charged for the new entries (see ``tenant_quotas``).
         ``tails`` (prompt tails, apart from ``keys``) share ``tail_slots`` among
         themselves, the least recently used making room: the ones that get no slot are left
-        out of the plan; None only when ``keys`` do not fit."""
+        out of the plan; None only when ``keys`` do not fit. ``prompts``: how many
+        requests offer their first chunk here (for ``second_sight``)."""
         tenant = self.quota_account(tenant) if self.tenant_quotas else ""
         new = self.host.absent(keys)
         new_tails = self.host.absent(tails) if tails else []
+        if self.second_sight is not None:
+            new = self.second_sight.admit(len(keys) - len(new), new, prompts)
+            if tails:
+                new_tails = self.second_sight.admit(len(tails) - len(new_tails), new_tails)
         if self.min_lookups:
             counts = self._lookup_counts
             new = [k for k in new if counts.get(k, 0) >= self.min_lookups]
@@ -316,6 +331,8 @@ class TieredStore:
             self.metrics.inc("kvsdk_lookup_misses_total", self._misses)
         if self._deferred:
             self.metrics.inc("kvsdk_lookup_deferred_total", self._deferred)
+        if self.second_sight is not None and self.second_sight.skipped:
+            self.metrics.inc("kvsdk_admission_skipped_total", self.second_sight.take_skipped())
         self._hits = self._misses = self._deferred = 0
 
     def _charge_lower(self, t: int, tenant: str, keys: list[ChunkKey]) -> None:

@@ -179,3 +179,31 @@ def test_a_step_with_nothing_to_do_has_no_jobs_and_a_load_or_preemption_makes_on
     (load,) = s.build_step(computed_after_step={}).loads
     assert [c.engine_blocks for c in load.copies] == [[5, 6]]
     assert s.build_step(computed_after_step={}) == StepJobs((), (), frozenset())
+
+
+def test_fresh_prompts_stop_being_stored_and_a_returning_one_is_stored_then_served() -> None:
+    """The default host tier's admission (``kvsdk.admission``) as the scheduler drives it:
+    prompts that never come back are copied only until the evidence says so; one that
+    comes back is stored on its second sight and served on its third."""
+    s = make()
+    per_prompt = 16
+
+    def serve(rid: str, salt: bytes) -> tuple[int, list[int]]:
+        hashes = chain(per_prompt, salt)
+        s.add_request(rid, num_prompt_tokens=per_prompt * TPB + 1, block_hashes=hashes)
+        hit = s.lookup(rid, 0)
+        ids = list(range(1, per_prompt + 2))
+        jobs = s.build_step(computed_after_step={rid: per_prompt * TPB + 1},
+                            new_block_ids={rid: [ids]}, replace_block_ids=[rid])  # fmt: skip
+        if jobs.loads:
+            s.worker_results([WorkerResult(j.job_id) for j in jobs.loads])
+        stored = stored_chunks(s, jobs)
+        s.request_finished(rid)
+        stored += stored_chunks(s, s.build_step(computed_after_step={}, finished={rid: 1}))
+        return hit or 0, stored
+
+    copied = [len(serve(f"r{i}", bytes([i]))[1]) for i in range(8)]
+    assert copied[:4] == [per_prompt] * 4 and copied[4:] == [0] * 4
+    assert serve("again", bytes([7]))[1] == list(range(per_prompt))  # its second sight
+    hit, stored = serve("third", bytes([7]))
+    assert hit == per_prompt * TPB and stored == []
