@@ -18,10 +18,11 @@ seen once is not copied, one that comes back is stored then and served from
 its third sight on. The share is still counted meanwhile; at
 :data:`HIGH_REUSE` every chunk is stored again.
 
-It only sees this engine's traffic, so it applies by default (``admission.policy:
-auto``) only where every tier is private to this engine: with a tier other
-engines read (Redis, a disk directory), a chunk this engine never sees again
-may be another engine's hit, and every chunk is stored.
+It only sees this engine's traffic, so by default (``admission.policy: auto``)
+it applies only where the host tier is the only tier: with a slower tier
+(Redis, a disk directory, a plugin's) a chunk this engine never sees again may
+be another engine's hit, or this one's after a restart, and every chunk is
+stored.
 """
 
 from __future__ import annotations

@@ -102,9 +102,9 @@ class AdmissionConfig:
     """``all``: store every chunk. ``second_sight``: store every chunk while at
     least 1 in 32 of the chunks seen comes back, otherwise only the ones seen
     before (a prompt that never repeats is not copied; see ``kvsdk.admission``).
-    ``auto``: ``second_sight`` where every tier is private to this engine (the
-    default host tier), ``all`` where another engine may read a tier (Redis,
-    disk)."""
+    ``auto``: ``second_sight`` where the host tier is the only tier (the
+    default), ``all`` where there are slower tiers (disk, Redis, a plugin's:
+    another engine, or this one after a restart, may read what it stores)."""
     min_lookups: int = 0
     """Store a chunk only after it was looked up this many times (0: always)."""
 

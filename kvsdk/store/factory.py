@@ -126,9 +126,9 @@ def build_store(
 def _second_sight(config: KVSDKConfig, tiers: Sequence[Backend]) -> SecondSight | None:
     """The admission ``config`` asks for over ``tiers`` (see ``AdmissionConfig.policy``)."""
     policy = config.admission.policy
-    if policy == "auto":
-        private = all(t.locality is Locality.PROCESS for t in tiers)
-        policy = "second_sight" if private else "all"
+    if policy == "auto":  # a slower tier may be read by other engines (or after a restart)
+        alone = len(tiers) == 1 and tiers[0].locality is Locality.PROCESS
+        policy = "second_sight" if alone else "all"
     if policy != "second_sight":
         return None
     host = tiers[0]
