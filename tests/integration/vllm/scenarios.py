@@ -317,6 +317,15 @@ def main() -> None:
         res["cold"] = generate(llm, P)
         reset(llm)
         res["kvsdk"] = generate(llm, P)
+        # the default host tier alone: prompts that never come back (28 chunks each)
+        # stop being copied; one that comes back is stored on its second sight
+        fresh = random.Random(11)
+        for _ in range(8):
+            generate(llm, [fresh.randrange(3, 32000) for _ in range(900)], 2)
+        F = [fresh.randrange(3, 32000) for _ in range(900)]
+        for sight in ("first", "second", "third"):
+            reset(llm)
+            res[f"returning_{sight}"] = generate(llm, F)
         res["metrics"] = [
             line
             for line in prometheus_client.generate_latest().decode().splitlines()

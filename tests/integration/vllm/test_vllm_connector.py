@@ -233,3 +233,10 @@ def test_kvsdk_counters_are_on_vllms_own_prometheus_registry(
     assert hits and float(hits[0].rsplit(" ", 1)[1]) >= 192
     assert any(ln.startswith('vllm:kvsdk_stored_bytes_total{detail="tier=0"') for ln in lines)
     assert any(ln.startswith('vllm:kvsdk_lookup_hits_total{detail="tier=0"') for ln in lines)
+    # kvsdk's default admission in the real engine: after fresh prompts nothing came
+    # back from, a prompt is left out on its first sight, stored on its second, served
+    # on its third (896 tokens: its whole 32-token blocks)
+    skipped = [ln for ln in lines if ln.startswith("vllm:kvsdk_admission_skipped_total")]
+    assert skipped and float(skipped[0].rsplit(" ", 1)[1]) >= 28
+    assert r["returning_first"]["cached"] == r["returning_second"]["cached"] == 0
+    assert r["returning_third"]["cached"] == 896
