@@ -12,10 +12,10 @@ when nothing does, none is.
 store. It remembers the keys it was offered (a bounded "ghost" list, keys
 only), and keeps the share of chunks that came back: offered again while held
 or remembered, or served from the tier. While that share is at least
-:data:`LOW_REUSE` (or before the evidence of :data:`WARMUP_PROMPTS` prompts and
-:data:`WARMUP_CHUNKS` chunks) every chunk is stored. Under it a chunk is stored the second time it is offered: a prompt
-seen once is not copied, one that comes back is stored then and served from
-its third sight on. The share is still counted meanwhile; at
+:data:`LOW_REUSE` (or before the evidence of :data:`WARMUP_PROMPTS` prompts
+and :data:`WARMUP_CHUNKS` chunks) every chunk is stored. Under it a chunk is
+stored the second time it is offered: a prompt seen once is not copied, one
+that comes back is stored then and served from its third sight on. The share is still counted meanwhile; at
 :data:`HIGH_REUSE` every chunk is stored again.
 
 It only sees this engine's traffic, so by default (``admission.policy: auto``)

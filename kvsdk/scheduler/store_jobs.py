@@ -35,7 +35,11 @@ class StoreJobs:
         tails = [r for r in tails if r.tail and tail_blocks_ready(r.tail, self.groups, r.block_ids)]
         keys = [k for _, _, ks in found for k in ks]
         tail_keys = [k for r in tails if r.tail for k in r.tail.keys]
-        prompts = sum(1 for _, chosen, _ in found if any(c and c[0] == 0 for c in chosen))
+        prompts = (  # requests offering their chunk 0: the admission's evidence
+            sum(1 for _, chosen, _ in found if any(c and c[0] == 0 for c in chosen))
+            if self.store.second_sight is not None
+            else 0
+        )
         plan = self.store.prepare_store(keys, tenant, tails=tail_keys, prompts=prompts)
         if plan is None:  # the tier cannot take them all at once: one part at a time
             parts = _per_request(found, tails)
