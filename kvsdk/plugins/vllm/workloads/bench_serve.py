@@ -32,12 +32,13 @@ the ratios to ``none`` are taken per order, then averaged. Per reuse rate it
 reports TTFT p50/p99, throughput, the tokens vLLM served from cache, and
 vLLM's own split of each request's TTFT (queued until first scheduled, then
 scheduled until its first token), and the engine-side TTFT (queued until
-the first token) beside the end-to-end one. The difference is the wait before
-the EngineCore takes a request in ("pickup"): a round's requests reach it one
-by one, and when it starts a step with the first before the others arrive,
-they wait for that whole step (measured: 70-230 ms for 3 of a round's 4
-requests in some rounds, with and without a connector alike), which moves a
-p50 over a few rounds by more than the connector does. It writes
+the first token) beside the end-to-end one. A round's requests arrive
+together, as a burst of users would (``_serve_round``): sent one by one into
+a running engine, the first started a step alone in some rounds and the others
+waited that whole step before the EngineCore took them in ("pickup", measured
+70-280 ms for 3 of a round's 4 requests, with and without a connector alike),
+a race that moved a pass's p50 by more than a connector does; the pickup is
+still reported (a few ms now). It writes
 ``out/bench_serve.json`` (with every run's figures under ``runs``) and
 ``out/bench_serve.png``: TTFT p50/p99 and throughput against the reuse rate,
 and the cost at 0 % reuse.
@@ -206,9 +207,7 @@ def _run_reuses(
         load = os.getloadavg()[0]
         t0 = time.perf_counter()
         for prompts in conversations(reuse, users, rounds, seed):
-            outs = llm.generate(
-                [TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False
-            )
+            outs = _serve_round(llm, [TokensPrompt(prompt_token_ids=p) for p in prompts], sp)
             for o in outs:
                 m = o.metrics
                 ttfts.append(m.first_token_latency if m else float("nan"))
@@ -239,6 +238,21 @@ def _run_reuses(
             "ttfts_ms": [1e3 * t for t in ttfts],  # every request's, sorted
         }
     return results
+
+
+def _serve_round(llm: Any, prompts: list[Any], sp: Any) -> list[Any]:
+    """A round's requests reach the EngineCore together: its scheduler is paused
+    (vLLM's sleep level 0: requests are taken in, none scheduled) while they are
+    enqueued, then resumed. Sent one by one into a running engine, the first
+    would start a step alone about half the time and the others wait that whole
+    step (70-280 ms here), a race that moved a pass's p50 more than any
+    connector does."""
+    llm.sleep(level=0, mode="keep")
+    try:
+        llm.enqueue(prompts, sp, use_tqdm=False)
+    finally:
+        llm.wake_up(tags=["scheduling"])
+    return list(llm.wait_for_completion(use_tqdm=False))
 
 
 def _wall_minus_monotonic(tries: int = 8) -> float:
