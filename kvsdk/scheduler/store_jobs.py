@@ -26,21 +26,33 @@ class StoreJobs:
         self.ledger = ledger
 
     def store_jobs(
-        self, tenant: str, found: list[Candidate], tails: Sequence[RequestState] = ()
+        self,
+        tenant: str,
+        found: list[Candidate],
+        tails: Sequence[RequestState] = (),
+        admitted: frozenset[ChunkKey] | None = None,
     ) -> list[TransferJob]:
         """One tier reservation for the step's candidates and prompt tails (one
         per request if the tier cannot take them all at once), then a job per
         request: a request's tail rides in the job of its chunks, so a prompt
-        finishing in this step is one job, one ledger entry, one completion."""
+        finishing in this step is one job, one ledger entry, one completion.
+        ``admitted``: the step's keys the store admitted (given to the parts of
+        a step split for lack of room: the step's offer is admitted once)."""
         tails = [r for r in tails if r.tail and tail_blocks_ready(r.tail, self.groups, r.block_ids)]
         keys = [k for _, _, ks in found for k in ks]
         tail_keys = [k for r in tails if r.tail for k in r.tail.keys]
-        prompts = (  # requests offering their chunk 0: the admission's evidence
-            sum(1 for _, chosen, _ in found if any(c and c[0] == 0 for c in chosen))
-            if self.store.second_sight is not None
-            else 0
-        )
-        plan = self.store.prepare_store(keys, tenant, tails=tail_keys, prompts=prompts)
+        if admitted is None:
+            prompts = (  # requests offering their chunk 0: the admission's evidence
+                sum(1 for _, chosen, _ in found if any(c and c[0] == 0 for c in chosen))
+                if self.store.second_sight is not None
+                else 0
+            )
+            keys, tail_keys = self.store.admit(keys, tail_keys, prompts)
+            admitted = frozenset((*keys, *tail_keys))
+        else:
+            keys = [k for k in keys if k in admitted]
+            tail_keys = [k for k in tail_keys if k in admitted]
+        plan = self.store.prepare_store(keys, tenant, tails=tail_keys)
         if plan is None:  # the tier cannot take them all at once: one part at a time
             parts = _per_request(found, tails)
             if len(parts) == 1:  # one request: each chunk candidate, then its tail
@@ -48,7 +60,7 @@ class StoreJobs:
             jobs = []
             if len(parts) > 1:  # (one part alone that does not fit: nothing stored)
                 for units in parts:
-                    jobs += self.store_jobs(tenant, *units)
+                    jobs += self.store_jobs(tenant, *units, admitted=admitted)
             return jobs
         if not plan.keys:
             return []

@@ -7,7 +7,9 @@ Primitives, in the order an adapter calls them:
                              tier is being asked) / MISS
 - ``prepare_load(keys)``    host slots to copy from; entries pinned
 - ``complete_load(keys)``   unpin
-- ``prepare_store(keys)``   slots for the keys not yet stored (admission,
+- ``admit(keys, tails)``    of a step's offer, the keys worth storing
+                             (``admission.policy``): once per step
+- ``prepare_store(keys)``   slots for the keys not yet stored (``min_lookups``,
                              eviction, the prompt tails' share); None when
                              there is no room
 - ``complete_store(keys)``  entries become readable (or are dropped on failure)
@@ -237,25 +239,37 @@ class TieredStore:
         share = self.tenant_quotas.get(self.quota_account(tenant))
         return None if share is None else max(1, int(share * self.host.num_slots))
 
+    def admit(
+        self, keys: Sequence[ChunkKey], tails: Sequence[ChunkKey] = (), prompts: int = 0
+    ) -> tuple[list[ChunkKey], list[ChunkKey]]:
+        """Of a step's offer (``keys``, and prompt ``tails``, with the first chunks of
+        ``prompts`` requests among them), the ones to give to :meth:`prepare_store`:
+        all of them, or under ``second_sight`` the ones it admits and those held
+        already. Once per step: an offer seen twice would count as coming back."""
+        sight = self.second_sight
+        if sight is None:
+            return list(keys), list(tails)
+        out = []
+        for part, n in ((keys, prompts), (tails, 0)):
+            new = self.host.absent(part) if part else []
+            admitted = set(sight.admit(len(part) - len(new), new, n))
+            fresh = set(new)
+            out.append([k for k in part if k in admitted or k not in fresh])
+        return out[0], out[1]
+
     def prepare_store(
         self,
         keys: Sequence[ChunkKey],
         tenant: str = "",
         tails: Sequence[ChunkKey] = (),
-        prompts: int = 0,
     ) -> StorePlan | None:
         """``tenant``'s account is charged for the new entries (see ``tenant_quotas``).
         ``tails`` (prompt tails, apart from ``keys``) share ``tail_slots`` among
         themselves, the least recently used making room: the ones that get no slot are left
-        out of the plan; None only when ``keys`` do not fit. ``prompts``: how many
-        requests offer their first chunk here (for ``second_sight``)."""
+        out of the plan; None only when ``keys`` do not fit."""
         tenant = self.quota_account(tenant) if self.tenant_quotas else ""
         new = self.host.absent(keys)
         new_tails = self.host.absent(tails) if tails else []
-        if self.second_sight is not None:
-            new = self.second_sight.admit(len(keys) - len(new), new, prompts)
-            if tails:
-                new_tails = self.second_sight.admit(len(tails) - len(new_tails), new_tails)
         if self.min_lookups:
             counts = self._lookup_counts
             new = [k for k in new if counts.get(k, 0) >= self.min_lookups]

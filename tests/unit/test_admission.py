@@ -125,7 +125,8 @@ def store_from(
 
 
 def save(store: TieredStore, keys: list[bytes]) -> list[bytes]:
-    plan = store.prepare_store(keys, prompts=1)
+    keys, _ = store.admit(keys, prompts=1)
+    plan = store.prepare_store(keys)
     assert plan is not None
     slab = store.host.slab.numpy()
     for slot in plan.slots:

@@ -207,3 +207,43 @@ def test_fresh_prompts_stop_being_stored_and_a_returning_one_is_stored_then_serv
     assert serve("again", bytes([7]))[1] == list(range(per_prompt))  # its second sight
     hit, stored = serve("third", bytes([7]))
     assert hit == per_prompt * TPB and stored == []
+
+
+def test_a_step_split_for_lack_of_room_admits_its_offer_once() -> None:
+    """Two returning prompts that do not fit the tier together are stored one at a
+    time; a fresh prompt in the same step stays out (offered again per request, its
+    chunks would count as a second sight)."""
+    ns = Namespace("m", "float32", (GroupLayout((2, TPB, 1, 8), "float32"),), TPB)
+    cfg = {"chunk_tokens": TPB, "tiers": [{"backend": "cpu", "capacity": 20 * 256}]}
+    store = build_store(load_config(cfg), ns, 256)
+    s = OffloadScheduler([KVGroupSpec(0, GroupKind.FULL_ATTENTION, TPB, 1)], ns, store)
+    assert store.second_sight is not None
+    n = 0
+
+    def step(prompts: dict[str, tuple[int, bytes]]) -> dict[str, int]:
+        nonlocal n
+        ids = {}
+        for rid, (chunks, salt) in prompts.items():
+            s.add_request(rid, num_prompt_tokens=chunks * TPB + 1, block_hashes=chain(chunks, salt))
+            assert s.lookup(rid, 0) == 0
+            ids[rid] = [[n + b for b in range(1, chunks + 2)]]
+            n += chunks + 1
+        jobs = s.build_step(computed_after_step={r: c * TPB + 1 for r, (c, _) in prompts.items()},
+                            new_block_ids=ids, replace_block_ids=list(prompts))  # fmt: skip
+        owner = {b: r for r, (blocks,) in ids.items() for b in blocks}
+        copied = dict.fromkeys(prompts, 0)
+        for b in (b for j in jobs.stores for c in j.copies for b in c.engine_blocks):
+            copied[owner[b]] += 1
+        s.worker_results([WorkerResult(j.job_id) for j in jobs.stores])
+        for rid in prompts:
+            s.request_finished(rid)
+        s.build_step(computed_after_step={}, finished=dict.fromkeys(prompts, 1))
+        return copied
+
+    for i in range(16):  # 64 fresh chunks: the share is 0, second sight turns on
+        step({f"w{i}": (4, bytes([i]))})
+    assert store.second_sight.selective
+    assert step({"a": (12, b"a"), "b": (12, b"b")}) == {"a": 0, "b": 0}  # first sight
+    # a and b come back (24 chunks for 20 slots: one at a time); c is new
+    copied = step({"a2": (12, b"a"), "b2": (12, b"b"), "c": (8, b"c")})
+    assert copied == {"a2": 12, "b2": 0, "c": 0}
