@@ -202,11 +202,12 @@ def _run_reuses(
         prefill: list[float] = []  # then scheduled until the first token
         pickup: list[float] = []  # sent until the EngineCore queued it (see the docstring)
         engine_ttft: list[float] = []  # queued until the first token
-        wall_offset = _wall_minus_monotonic()  # the EngineCore's clock is monotonic
         cached = tokens = prompt_tokens = 0
         load = os.getloadavg()[0]
         t0 = time.perf_counter()
         for prompts in conversations(reuse, users, rounds, seed):
+            # the EngineCore's clock is monotonic; read each round (the wall clock is slewed)
+            wall_offset = _wall_minus_monotonic()
             outs = _serve_round(llm, [TokensPrompt(prompt_token_ids=p) for p in prompts], sp)
             for o in outs:
                 m = o.metrics
