@@ -15,8 +15,8 @@ or remembered, or served from the tier. While that share is at least
 :data:`LOW_REUSE` (or before the evidence of :data:`WARMUP_PROMPTS` prompts
 and :data:`WARMUP_CHUNKS` chunks) every chunk is stored. Under it a chunk is
 stored the second time it is offered: a prompt seen once is not copied, one
-that comes back is stored then and served from its third sight on. The share is still counted meanwhile; at
-:data:`HIGH_REUSE` every chunk is stored again.
+that comes back is stored then and served from its third sight on. The share
+is still counted meanwhile; at :data:`HIGH_REUSE` every chunk is stored again.
 
 It only sees this engine's traffic, so by default (``admission.policy: auto``)
 it applies only where the host tier is the only tier: with a slower tier

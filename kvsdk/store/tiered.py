@@ -244,17 +244,15 @@ class TieredStore:
     ) -> tuple[list[ChunkKey], list[ChunkKey]]:
         """Of a step's offer (``keys``, and prompt ``tails``, with the first chunks of
         ``prompts`` requests among them), the ones to give to :meth:`prepare_store`:
-        all of them, or under ``second_sight`` the ones it admits and those held
-        already. Once per step: an offer seen twice would count as coming back."""
+        all of them, or under ``second_sight`` the ones not held that it admits.
+        Once per step: an offer seen twice would count as coming back."""
         sight = self.second_sight
         if sight is None:
             return list(keys), list(tails)
         out = []
         for part, n in ((keys, prompts), (tails, 0)):
             new = self.host.absent(part) if part else []
-            admitted = set(sight.admit(len(part) - len(new), new, n))
-            fresh = set(new)
-            out.append([k for k in part if k in admitted or k not in fresh])
+            out.append(sight.admit(len(part) - len(new), new, n))
         return out[0], out[1]
 
     def prepare_store(

@@ -244,10 +244,7 @@ def _run_reuses(
 def _serve_round(llm: Any, prompts: list[Any], sp: Any) -> list[Any]:
     """A round's requests reach the EngineCore together: its scheduler is paused
     (vLLM's sleep level 0: requests are taken in, none scheduled) while they are
-    enqueued, then resumed. Sent one by one into a running engine, the first
-    would start a step alone about half the time and the others wait that whole
-    step (70-280 ms here), a race that moved a pass's p50 more than any
-    connector does."""
+    enqueued, then resumed (why: the module docstring)."""
     llm.sleep(level=0, mode="keep")
     try:
         llm.enqueue(prompts, sp, use_tqdm=False)
