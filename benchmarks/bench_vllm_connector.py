@@ -333,7 +333,8 @@ class Engine:
             "s": secs,
             "steps": timed["steps"],
             # this wave alone: the spread between waves shows what one figure is worth
-            "us_per_step": 1e6 * sum(v["wall_s"] for v in timed["methods"].values())
+            "us_per_step": 1e6
+            * sum(v["wall_s"] for v in timed["methods"].values())
             / max(timed["steps"], 1),
         }
         self.trace_waves.append(info)
@@ -904,8 +905,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="prompt tokens of the TP=2 row (part 4); 0 skips it")  # fmt: skip
     ap.add_argument("--tier-gib", type=float, default=1.0)
     ap.add_argument("--kv-space-gib", type=int, default=2)
-    ap.add_argument("--kvsdk-config", default="{}",
-                    help='kvsdk config keys (JSON) beside its tier, e.g. \'{"prompt_tail": false}\'')
+    ap.add_argument(
+        "--kvsdk-config",
+        default="{}",
+        help="kvsdk config keys (JSON) beside its tier, e.g. '{\"prompt_tail\": false}'",
+    )
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--child", choices=(*CONFIGS, *TP2_CONFIGS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -71,6 +71,11 @@ class SlabRequest:
 
     name: str
     regions: int = 1
+    creator_copies: bool = True
+    """Whether the creating process copies slot data itself (its slower tiers'
+    writes and promotions). If not (a host tier alone under vLLM: only the
+    workers copy), only the attaching workers commit the slab's pages: a walk
+    in the creator would map pages it never touches."""
 
 
 @dataclass(frozen=True)

@@ -34,10 +34,11 @@ class CPUOptions:
     pin_memory: Literal["auto", "always", "never"] = "auto"
     """``auto`` pins when CUDA is available; ``always`` / ``never``."""
     prefault: bool = True
-    """Commit the slab's memory at start, on a background thread, in this process
-    and in every engine worker that attaches (Linux ``MADV_POPULATE_WRITE``): a
-    store into a page never touched pays a page fault, measured several times
-    the copy itself. ``false``: pages are committed as stores first reach them."""
+    """Commit the slab's memory ahead of the stores, on a background thread, in
+    every engine worker that attaches, and in this process when it copies slot
+    data too (tiers behind it) (Linux ``MADV_POPULATE_WRITE``): a store into a
+    page never touched pays a page fault, measured several times the copy
+    itself. ``false``: pages are committed as stores first reach them."""
 
 
 class CPUBackend(HostTier):
@@ -65,7 +66,11 @@ class CPUBackend(HostTier):
             if self.slot_bytes % regions:
                 raise ValueError(f"cpu tier: a {self.slot_bytes} B slot has no {regions} regions")
             geometry = SlabGeometry(n, self.slot_bytes // regions, regions)
-            self._shared = SharedSlab.create(context.slab.name, geometry, prefault=options.prefault)
+            self._shared = SharedSlab.create(
+                context.slab.name,
+                geometry,
+                prefault=options.prefault and context.slab.creator_copies,
+            )
             self._slab = self._shared.tensor  # each worker pins its own mapping for DMA
         else:
             self._slab = torch.empty((n, self.slot_bytes), dtype=torch.uint8, pin_memory=pin)

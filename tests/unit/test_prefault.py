@@ -2,7 +2,9 @@
 the shared slab's pages exist once its creator's prefault thread has walked
 them, in every attaching process too, with the slab's content untouched; the
 walk keeps a fixed distance past the slots stores reach, not the whole tier at
-start; ``prefault: false`` leaves the pages to the first store, as before."""
+start; a creator that copies no slot data (a host tier alone under vLLM) leaves
+the walk to the workers; ``prefault: false`` leaves the pages to the first
+store, as before."""
 
 from __future__ import annotations
 
@@ -68,13 +70,14 @@ def test_an_attaching_process_prefaults_its_own_mapping() -> None:
         slab.unlink()
 
 
-def shared_cpu_tier(prefault: bool = True) -> CPUBackend:
+def shared_cpu_tier(prefault: bool = True, *, creator_copies: bool = True) -> CPUBackend:
     """A 16 MiB cpu tier of 256 KiB slots in shared memory (as under vLLM)."""
+    name = segment_name(f"test-prefault-{uuid.uuid4()}")
     ctx = TierContext(
         namespace_fp=bytes(16),
         namespace_hex="00" * 16,
         chunk_bytes=256 << 10,
-        slab=SlabRequest(name=segment_name(f"test-prefault-{uuid.uuid4()}"), regions=1),
+        slab=SlabRequest(name=name, regions=1, creator_copies=creator_copies),
     )
     return CPUBackend(CPUOptions(capacity=16 << 20, prefault=prefault), ctx)
 
@@ -96,6 +99,25 @@ def test_the_cpu_tier_prefaults_by_default_and_not_when_told_so() -> None:
             tier.close()
             shared.unlink()
         assert not shared.path.exists()
+
+
+def test_a_creator_that_copies_nothing_leaves_the_walk_to_the_attaching_workers() -> None:
+    tier = shared_cpu_tier(creator_copies=False)  # a host tier alone under vLLM
+    shared = tier._shared
+    assert shared is not None
+    try:
+        assert shared.prefaulting is None
+        assert tier.reserve([ChunkKey(bytes([i]) * 16) for i in range(8)]) is not None
+        assert allocated_bytes(shared) < shared.geometry.nbytes // 4
+        worker = SharedSlab.attach(shared.name, prefault=True)
+        assert worker.prefaulting is not None
+        worker.stores_reached(shared.geometry.num_slots)
+        worker.prefaulting.join(30)
+        if kernel_has_populate_write():  # the worker's walk allocated the pages
+            assert allocated_bytes(shared) >= shared.geometry.nbytes
+    finally:
+        tier.close()
+        shared.unlink()
 
 
 def test_populate_reports_whether_the_kernel_could() -> None:

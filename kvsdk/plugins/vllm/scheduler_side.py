@@ -113,7 +113,12 @@ class SchedulerSide:
         self.store = self.handle.build_store(
             layout.namespace,
             layout.chunk_bytes,
-            slab=SlabRequest(layout.slab_name, layout.ranks.num_regions),
+            # a host tier alone: only the workers copy, so only they walk its pages
+            slab=SlabRequest(
+                layout.slab_name,
+                layout.ranks.num_regions,
+                creator_copies=len(layout.config.tiers) > 1,
+            ),
         )
         self.world_size = max(1, vllm_config.parallel_config.world_size)
         self.sync_loads = loads_in_step(vllm_config, layout.groups)
