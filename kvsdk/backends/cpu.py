@@ -34,11 +34,11 @@ class CPUOptions:
     pin_memory: Literal["auto", "always", "never"] = "auto"
     """``auto`` pins when CUDA is available; ``always`` / ``never``."""
     prefault: bool = True
-    """Commit the slab's memory ahead of the stores, on a background thread, in
-    every engine worker that attaches, and in this process when it copies slot
-    data too (tiers behind it) (Linux ``MADV_POPULATE_WRITE``): a store into a
-    page never touched pays a page fault, measured several times the copy
-    itself. ``false``: pages are committed as stores first reach them."""
+    """Commit the slab's memory ahead of the stores (Linux ``MADV_POPULATE_WRITE``),
+    on a background thread in every engine worker that attaches, and in this
+    process when it copies slot data too (tiers behind it): a store into a page
+    never touched pays a page fault, measured several times the copy itself.
+    ``false``: pages are committed as stores first reach them."""
 
 
 class CPUBackend(HostTier):

@@ -72,12 +72,13 @@ def test_an_attaching_process_prefaults_its_own_mapping() -> None:
 
 def shared_cpu_tier(prefault: bool = True, *, creator_copies: bool = True) -> CPUBackend:
     """A 16 MiB cpu tier of 256 KiB slots in shared memory (as under vLLM)."""
-    name = segment_name(f"test-prefault-{uuid.uuid4()}")
     ctx = TierContext(
         namespace_fp=bytes(16),
         namespace_hex="00" * 16,
         chunk_bytes=256 << 10,
-        slab=SlabRequest(name=name, regions=1, creator_copies=creator_copies),
+        slab=SlabRequest(
+            segment_name(f"test-prefault-{uuid.uuid4()}"), regions=1, creator_copies=creator_copies
+        ),
     )
     return CPUBackend(CPUOptions(capacity=16 << 20, prefault=prefault), ctx)
 
