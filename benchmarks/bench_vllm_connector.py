@@ -370,6 +370,8 @@ class Engine:
         self.drain()  # what the connector still has to store is charged to this round
         total = time.perf_counter() - start
         cpu = _tree_cpu() - c0  # every process of the engine: kvsdk's copies too
+        # what kvsdk's admission stored of these fresh prompts (None for the others)
+        kv = self.probe.probe(self.llm, "state").get("kvsdk") if self.connector else None
         n_prompt = sum(len(p) for p in prompts)
         n_gen = sum(len(o.outputs[0].token_ids) for o in outs)
         return {
@@ -382,6 +384,8 @@ class Engine:
             "cpu_s": cpu,
             "tokens_per_cpu_s": (n_prompt + n_gen) / cpu,
             "loadavg_1min": load,
+            "kvsdk_held_chunks": kv["host_readable_entries"] if kv else None,
+            "kvsdk_admission": kv["admission"] if kv else None,
         }
 
 
@@ -786,6 +790,14 @@ def format_table(s: dict[str, Any]) -> str:
         f" (aggregate {tp['kvsdk_over_none_aggregate']:.3f}x; median of paired rounds"
         f" {tp['kvsdk_over_none_paired']:.3f}x; per CPU-second {tp['kvsdk_over_none_cpu']:.3f}x)",
     ]
+    rounds = tp["kvsdk"]["rounds"]
+    if rounds and rounds[0].get("kvsdk_admission") is not None:
+        lines.append(
+            "   kvsdk's admission (second sight) after each round: chunks held "
+            + ", ".join(str(r["kvsdk_held_chunks"]) for r in rounds)
+            + "; storing only repeats: "
+            + ", ".join("yes" if r["kvsdk_admission"]["selective"] else "no" for r in rounds)
+        )
     t2 = s.get("tp2")
     if t2:
         c = t2["cached_tokens"]
@@ -927,6 +939,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     from kvsdk.plugins.vllm.workloads.tiny_model import make_tiny_llama
 
     out = Path(args.out)
+    if out.is_dir():  # found before the run, not after 16 minutes of it
+        sys.exit(f"--out {out} is a directory: it names the JSON file to write")
     out.parent.mkdir(parents=True, exist_ok=True)
     args.model_dir = str(
         make_tiny_llama(
@@ -949,9 +963,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     summary["wall_s"] = time.perf_counter() - t0
     summary["loadavg_before_after"] = [load_before, os.getloadavg()]
     summary["command"] = " ".join([".venv/bin/python", "benchmarks/bench_vllm_connector.py", *argv])
+    print(format_table(summary))
     out.write_text(json.dumps(summary, indent=2))
     plot(summary, out.with_suffix(".png"))
-    print(format_table(summary))
     print(f"\nwrote {out} and {out.with_suffix('.png')} (child logs in {workdir}/)")
     return summary
 

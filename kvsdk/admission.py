@@ -101,6 +101,14 @@ class SecondSight:
         self.skipped += len(first)
         return admitted
 
+    def reset(self) -> None:
+        """Forget the traffic seen (at a reset of the tier's view: its keys move to a
+        new epoch, so no remembered key comes back): decide afresh, as at startup."""
+        self.selective = False
+        self._ghost.clear()
+        self._back = self._new = 0.0
+        self._prompts = 0
+
     def take_skipped(self) -> int:
         n, self.skipped = self.skipped, 0
         return n

@@ -495,7 +495,8 @@ class TieredStore:
     # -- reset / shutdown -------------------------------------------------------------------
     def reset(self) -> None:
         """Drop this instance's view without waiting for any I/O: every host
-        entry, lookup, promotion and query in flight.
+        entry, lookup, promotion and query in flight, and what admission learnt
+        of the traffic (it decides afresh, as at startup).
 
         The slower tiers are shared with other instances and are not touched:
         their entries stay for everyone else (a full wipe is ``kvsdk clear``).
@@ -510,6 +511,8 @@ class TieredStore:
         self._remote.clear()
         self._to_query.clear()
         self._lookup_counts.clear()
+        if self.second_sight is not None:
+            self.second_sight.reset()
         self._store_tenant.clear()
         self.host.clear(keep=[k for io in busy for k in io.keys])
         self.events.reset()

@@ -149,6 +149,18 @@ def test_the_default_host_tier_stores_fresh_prompts_only_until_none_come_back(
     assert store.lookup_run([k(1900 + c) for c in range(8)], 0, 8) == (8, 8)
 
 
+def test_a_reset_of_the_store_decides_admission_afresh(made: list[TieredStore]) -> None:
+    store = store_from(made)
+    assert store.second_sight is not None
+    for p in range(20):
+        save(store, [k(100 * p + c) for c in range(8)])
+    assert store.second_sight.selective
+    store.reset()  # e.g. vLLM's reset_prefix_cache(reset_connector=True)
+    assert not store.second_sight.selective and store.second_sight.reuse == 0.0
+    # every chunk is stored again until the warm-up's evidence is in
+    assert save(store, [k(5000 + c) for c in range(8)]) == [k(5000 + c) for c in range(8)]
+
+
 def test_policy_all_and_shared_tiers_store_every_chunk(
     made: list[TieredStore], tmp_path: Path
 ) -> None:

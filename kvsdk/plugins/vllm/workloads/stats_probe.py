@@ -185,6 +185,12 @@ def kvsdk_state(connector: KVSDKConnector) -> dict[str, Any]:
         "host_slot_bytes": int(host_stats["slot_bytes"]),
         "preemptions": side.preemptions,
         "faults": faults,
+        # second-sight admission (None: every chunk is stored, admission.policy: all)
+        "admission": (
+            None
+            if store.second_sight is None
+            else {"selective": store.second_sight.selective, "reuse": store.second_sight.reuse}
+        ),
     }
 
 
