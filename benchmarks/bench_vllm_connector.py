@@ -70,7 +70,10 @@ native spec's) can use an idle core: part 3 is then the lenient case; run
    printed beside it.
 3. **No-reuse cost**: tokens/s (prompt + generated) of a batch of distinct
    prompts (0% hits), kvsdk on vs no connector, median over rounds; a round's
-   time includes waiting until kvsdk's stores have landed.
+   time includes waiting until kvsdk's stores have landed. kvsdk runs with its
+   default admission, which the reset before this part starts afresh: the
+   first 64 chunks offered (about the warm-up round) are stored, then only
+   chunks seen before (printed: the chunks held after each round).
 4. **TP=2** (``--tp2-len``, default 2048 tokens; 0 skips it): part 1 at one
    prompt length with ``tensor_parallel_size=2`` (a worker process per rank,
    each bound to one CPU: ``VLLM_CPU_OMP_THREADS_BIND='0|1'``), in two
