@@ -54,14 +54,13 @@ class SecondSight:
     many keys are remembered (a few times the tier's slots: a chunk that comes
     back later than that would have been evicted before its hit anyway)."""
 
+    selective: bool
+    """Storing only chunks seen before (the workload does not reuse)."""
+
     def __init__(self, memory: int) -> None:
         self.memory = max(1, memory)
-        self.selective = False
-        """Storing only chunks seen before (the workload does not reuse)."""
         self._ghost: OrderedDict[ChunkKey, None] = OrderedDict()
-        self._back = 0.0
-        self._new = 0.0
-        self._prompts = 0
+        self.reset()
         self.skipped = 0
         """Chunks not stored on their first sight (since the last :meth:`take_skipped`)."""
 
