@@ -10,6 +10,7 @@ import pytest
 
 from kvsdk.plugins.vllm.workloads.bench_serve import (
     MAX_PROMPT_TOKENS,
+    _paired_median,
     _ratio_interval,
     conversations,
 )
@@ -71,3 +72,21 @@ def test_the_ratio_interval_widens_with_passes_that_disagree() -> None:
     lo, hi = _ratio_interval(noisy, base, "0.9")
     assert lo < 1.0 < hi
     assert lo >= 0.8 and hi <= 1.3
+
+
+def _ordered(ttfts: list[float]) -> dict[str, dict[str, list[float]]]:
+    return {"0": {"ttfts_in_order_ms": ttfts, "ttfts_ms": sorted(ttfts)}}
+
+
+def test_the_paired_ratio_compares_each_request_with_itself() -> None:
+    # rounds that take turns being slow: the same request is 5 % slower every time,
+    # but the pass's slow rounds fall where the baseline's fast ones were
+    base = [_ordered([1300.0, 1800.0, 1300.0, 1800.0]), _ordered([1800.0, 1300.0, 1800.0, 1300.0])]
+    slower = [_ordered([1.05 * t for t in b["0"]["ttfts_in_order_ms"]]) for b in base]
+    assert _paired_median(slower, base, "0") == pytest.approx(1.05)
+    assert _paired_median(base, base, "0") == pytest.approx(1.0)
+
+
+def test_the_paired_ratio_refuses_runs_of_different_requests() -> None:
+    with pytest.raises(ValueError):
+        _paired_median([_ordered([1.0, 2.0])], [_ordered([1.0])], "0")
