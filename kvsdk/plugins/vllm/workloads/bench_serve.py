@@ -32,7 +32,12 @@ the ratios to ``none`` are taken per order, then averaged. Per reuse rate it
 reports TTFT p50/p99, throughput, the tokens vLLM served from cache, and
 vLLM's own split of each request's TTFT (queued until first scheduled, then
 scheduled until its first token), and the engine-side TTFT (queued until
-the first token) beside the end-to-end one. A round's requests arrive
+the first token) beside the end-to-end one. Beside the per-pass ratio of
+p50 TTFTs, two steadier ones: over every pass's requests pooled (with a
+bootstrap interval), and paired, each request against the same request (same
+prompt, same place in its round) in ``none``'s run of that pass, so that the
+rounds' own spread (their first steps vary by a third on a 2-core VM, with
+or without a connector) cancels. A round's requests arrive
 together, as a burst of users would (``_serve_round``): sent one by one into
 a running engine, the first started a step alone in some rounds and the others
 waited that whole step before the EngineCore took them in ("pickup", measured
