@@ -69,8 +69,12 @@ def test_bench_serve_runs_every_configuration_end_to_end(tmp_path: Path) -> None
         lo, hi = ratios["ttft_p50_pooled_90ci"]  # passes drawn with replacement
         assert lo <= ratios["ttft_p50_pooled"] <= hi
         assert len(r["runs"][c][0]["0.0"]["ttfts_ms"]) == 4  # every request's TTFT
+        in_order = r["runs"][c][0]["0.0"]["ttfts_in_order_ms"]  # the same, unsorted
+        assert sorted(in_order) == r["runs"][c][0]["0.0"]["ttfts_ms"]
+        assert ratios["ttft_paired_median"] > 0  # request against request
         assert len(r["runs"][c]) == 2 and set(r["runs"][c][0]) == {"0.0", "0.5"}
     assert set(r["cost_at_zero_reuse"]) == set(CONFIGS[1:])
     for c in ("kvsdk", "native"):  # their share over vLLM's connector hooks alone
         assert r["over_none"][c]["0.5"]["over_null"]["throughput"] > 0
+        assert r["over_none"][c]["0.5"]["over_null"]["ttft_paired_median"] > 0
     assert "vs the connector that moves nothing (null)" in proc.stdout
