@@ -79,8 +79,8 @@ def _ordered(ttfts: list[float]) -> dict[str, dict[str, list[float]]]:
 
 
 def test_the_paired_ratio_compares_each_request_with_itself() -> None:
-    # rounds that take turns being slow: the same request is 5 % slower every time,
-    # but the pass's slow rounds fall where the baseline's fast ones were
+    # the two passes' slow rounds fall in different places; within a pass each
+    # request is 5 % slower than the same request in the baseline's run
     base = [_ordered([1300.0, 1800.0, 1300.0, 1800.0]), _ordered([1800.0, 1300.0, 1800.0, 1300.0])]
     slower = [_ordered([1.05 * t for t in b["0"]["ttfts_in_order_ms"]]) for b in base]
     assert _paired_median(slower, base, "0") == pytest.approx(1.05)

@@ -227,11 +227,11 @@ def _run_reuses(
                 tokens += len(o.prompt_token_ids or []) + len(o.outputs[0].token_ids)
             print(json.dumps({"progress": len(prompts)}), flush=True)
         wall = time.perf_counter() - t0
-        in_order = [1e3 * t for t in ttfts]
-        ttfts.sort()
+        in_order = [1e3 * t for t in ttfts]  # request by request (for pairing)
+        by_size = sorted(in_order)
         results[str(reuse)] = {
-            "ttft_p50_ms": 1e3 * statistics.median(ttfts),
-            "ttft_p99_ms": 1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+            "ttft_p50_ms": statistics.median(by_size),
+            "ttft_p99_ms": by_size[min(len(by_size) - 1, int(0.99 * len(by_size)))],
             "queued_p50_ms": _p50_ms(queued),
             "prefill_p50_ms": _p50_ms(prefill),
             "engine_ttft_p50_ms": _p50_ms(engine_ttft),
@@ -240,10 +240,10 @@ def _run_reuses(
             "throughput_tok_s": tokens / wall,
             "cached_tokens": cached,
             "prompt_tokens": prompt_tokens,
-            "requests": len(ttfts),
+            "requests": len(in_order),
             "load_avg_1m": 0.5 * (load + os.getloadavg()[0]),
-            "ttfts_ms": [1e3 * t for t in ttfts],  # every request's, sorted
-            "ttfts_in_order_ms": in_order,  # the same, request by request (for pairing)
+            "ttfts_ms": by_size,  # every request's, sorted
+            "ttfts_in_order_ms": in_order,
         }
     return results
 
@@ -312,7 +312,7 @@ def _paired_median(runs: list[dict[str, Any]], base: list[dict[str, Any]], reuse
     return float(
         statistics.median(
             a / b
-            for run, ref in zip(runs, base)
+            for run, ref in zip(runs, base, strict=True)
             for a, b in zip(
                 run[reuse]["ttfts_in_order_ms"], ref[reuse]["ttfts_in_order_ms"], strict=True
             )
