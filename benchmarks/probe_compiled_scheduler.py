@@ -88,10 +88,18 @@ def move_hookimpls(tree: Path) -> None:
     )
 
 
+def assemble_tree(tree: Path) -> None:
+    """Copy the ``kvsdk`` package into ``tree`` as installed: the core from
+    ``kvsdk/``, the adapters from ``plugins/`` and the backends from ``backends/``
+    (pyproject's ``package-dir``)."""
+    skip = shutil.ignore_patterns("__pycache__", "*.so")
+    shutil.copytree(ROOT / "kvsdk", tree / "kvsdk", ignore=skip)
+    shutil.copytree(ROOT / "plugins", tree / "kvsdk" / "plugins", ignore=skip)
+    shutil.copytree(ROOT / "backends", tree / "kvsdk" / "backends", ignore=skip)
+
+
 def compile_copy(tree: Path) -> None:
-    shutil.copytree(
-        ROOT / "kvsdk", tree / "kvsdk", ignore=shutil.ignore_patterns("__pycache__", "*.so")
-    )
+    assemble_tree(tree)
     shutil.copy(ROOT / "pyproject.toml", tree)  # mypy's settings
     move_hookimpls(tree)
     log = tree / "mypyc.log"

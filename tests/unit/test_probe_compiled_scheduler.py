@@ -6,7 +6,7 @@ compiled module keeps an ``@hookimpl``."""
 from __future__ import annotations
 
 import importlib.util
-import shutil
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,9 +28,7 @@ def test_the_rewritten_copy_registers_every_built_in_and_no_hot_module_has_a_hoo
     tmp_path: Path,
 ) -> None:
     probe = _probe()
-    shutil.copytree(
-        ROOT / "kvsdk", tmp_path / "kvsdk", ignore=shutil.ignore_patterns("__pycache__")
-    )
+    probe.assemble_tree(tmp_path)  # type: ignore[attr-defined]
     probe.move_hookimpls(tmp_path)  # type: ignore[attr-defined]
     for rel in probe.HOT_MODULES:  # type: ignore[attr-defined]
         assert "@hookimpl" not in (tmp_path / rel).read_text(), rel
@@ -42,6 +40,7 @@ def test_the_rewritten_copy_registers_every_built_in_and_no_hot_module_has_a_hoo
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
         capture_output=True,
         text=True,
         check=True,

@@ -1,0 +1,1 @@
+"""``kvsdk bench core``: the core alone on a synthetic trace (no engine)."""
