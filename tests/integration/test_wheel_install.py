@@ -20,9 +20,10 @@ import pytest
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("pyproject.toml", "README.md", "kvsdk")
+SOURCES = ("pyproject.toml", "README.md", "kvsdk", "plugins", "backends")
 """What the wheel is built from."""
-PACKAGE_DIRS = {"kvsdk": "kvsdk"}
+PACKAGE_DIRS = {"kvsdk": "kvsdk", "plugins": "kvsdk/plugins", "backends": "kvsdk/backends"}
+"""Each top-level folder and where its modules lie in the wheel (pyproject's package-dir)."""
 
 
 @dataclass(frozen=True)
