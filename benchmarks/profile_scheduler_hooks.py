@@ -35,9 +35,9 @@ the comparison with vLLM's native connector stays ``bench_vllm_connector.py``'s.
 Each request generates ``--max-tokens`` tokens (default 8: nearly every step
 admits or finishes requests, the hardest case for the ratio, since admitting a
 request costs both connectors far more than a decode step). A comma list runs
-the trace at each length and draws the curve; session 14 measured, at 32
+the trace at each length and draws the curve; at 32
 requests a wave (``--repeats 2 --requests 32 --waves 6 --max-tokens
-8,16,32,64,128,256``), kvsdk/native per step 0.72-0.76x at 8 tokens,
+8,16,32,64,128,256``) kvsdk/native per step measures 0.72-0.76x at 8 tokens,
 0.58-0.72x at 16, 0.47-0.49x at 32, 0.41-0.42x at 64, 0.33-0.35x at 128 (the
 output length of ``vllm bench serve``'s random dataset) and 0.29-0.31x at
 256. ``--out DIR`` writes ``profile_scheduler_hooks.json`` and a PNG of it there.
