@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import re
 import types
 import typing
@@ -39,8 +40,53 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
+MAX_BYTES = 1 << 60
+"""The largest size a config accepts (1 EiB): past it a value is a typo."""
+INT_RANGE = (-(1 << 63), (1 << 63) - 1)
+"""Integers a config accepts: what the tiers and engines store them in."""
+SECRET = {"secret": True}
+"""Field metadata: the value holds a credential and never appears in an error."""
+_SECRET_KEY = re.compile(r"passw|secret(?!_file)|credential|api_?key|token$", re.IGNORECASE)
+
+
 class ConfigError(ValueError):
     """A configuration problem, stated in one sentence."""
+
+
+def is_secret_key(key: str, meta: Mapping[str, Any] | None = None) -> bool:
+    """Whether a key's value is a credential (field metadata :data:`SECRET`, or a
+    name such as ``password``, ``token`` or ``api_key``)."""
+    return bool(meta and meta.get("secret")) or bool(_SECRET_KEY.search(key))
+
+
+def shown(value: Any, key: str = "", meta: Mapping[str, Any] | None = None) -> str:
+    """``value`` as an error message may show it: a credential's value never (only
+    its kind), and a mapping or list with any credential in it masked."""
+    if is_secret_key(key.rsplit(".", 1)[-1], meta):
+        kind = "null" if value is None else _KIND.get(type(value), type(value).__name__)
+        return f"a {kind} (not shown: it holds a credential)"
+    return repr(_masked(value))
+
+
+_KIND = {
+    bool: "boolean",
+    int: "number",
+    float: "number",
+    str: "string",
+    list: "list",
+    dict: "mapping",
+}
+
+
+def _masked(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {
+            k: "***" if isinstance(k, str) and is_secret_key(k) else _masked(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [_masked(v) for v in value]
+    return value
 
 
 def parse_size(value: Any, path: str = "size") -> int:
@@ -54,9 +100,14 @@ def parse_size(value: Any, path: str = "size") -> int:
         unit = m.group(2).lower() if m else None
         if m is None or unit not in _UNITS:
             raise ConfigError(f"{path}: got {value!r}; expected a size such as 512MiB or 8GiB")
-        n = int(float(m.group(1)) * _UNITS[unit])
+        number = float(m.group(1))
+        if not number < MAX_BYTES:  # an overlong figure, before it becomes inf
+            raise ConfigError(f"{path}: got {shown(value)[:40]}; expected at most 1EiB")
+        n = int(number * _UNITS[unit])
     if n <= 0:
         raise ConfigError(f"{path}: got {value!r}; expected a positive size")
+    if n > MAX_BYTES:
+        raise ConfigError(f"{path}: got {shown(value)[:40]}; expected at most 1EiB")
     return n
 
 
@@ -209,7 +260,7 @@ def _coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any]) -> Any:
     if origin is Literal:
         if value in typing.get_args(tp):
             return value
-        raise ConfigError(f"{path}: got {value!r}; expected {_type_name(tp)}")
+        raise ConfigError(f"{path}: got {shown(value, path, meta)}; expected {_type_name(tp)}")
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         return _build(tp, value, path)
     if tp is int and meta.get("unit") == "bytes":
@@ -219,9 +270,21 @@ def _coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any]) -> Any:
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not INT_RANGE[0] <= value <= INT_RANGE[1]:
+                raise ConfigError(
+                    f"{path}: got {shown(value, path, meta)[:40]}; expected a 64-bit integer"
+                )
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, int) and not INT_RANGE[0] <= value <= INT_RANGE[1]:
+                raise ConfigError(
+                    f"{path}: got {shown(value, path, meta)[:40]}; expected a finite number"
+                )
+            if not math.isfinite(value):
+                raise ConfigError(
+                    f"{path}: got {shown(value, path, meta)}; expected a finite number"
+                )
             return float(value)
     elif tp is str:
         if isinstance(value, str):
@@ -234,15 +297,15 @@ def _coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any]) -> Any:
         return tuple(_coerce(v, item_tp, f"{path}[{i}]", {}) for i, v in enumerate(value))
     else:
         return value
-    raise ConfigError(f"{path}: got {value!r}; expected {_type_name(tp)}")
+    raise ConfigError(f"{path}: got {shown(value, path, meta)}; expected {_type_name(tp)}")
 
 
 def _unknown_key(path: str, key: str, allowed: list[str]) -> ConfigError:
     hint = difflib.get_close_matches(key, allowed, n=1)
     did = f" (did you mean {hint[0]!r}?)" if hint else ""
-    shown = key if key.isidentifier() else repr(key)
+    name = key if key.isidentifier() else repr(key)
     return ConfigError(
-        f"{path}{shown}: unknown key; expected one of: {', '.join(sorted(allowed))}{did}"
+        f"{path}{name}: unknown key; expected one of: {', '.join(sorted(allowed))}{did}"
     )
 
 
@@ -250,7 +313,7 @@ def _build(cls: type, data: Any, path: str, skip: tuple[str, ...] = ()) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{path or 'config'}: got {data!r}; expected a mapping")
+        raise ConfigError(f"{path or 'config'}: got {shown(data, path)}; expected a mapping")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in skip}
     prefix = f"{path}." if path else ""
@@ -273,7 +336,7 @@ def _build(cls: type, data: Any, path: str, skip: tuple[str, ...] = ()) -> Any:
 
 def _build_tier(item: Any, path: str, backends: Mapping[str, type]) -> TierConfig:
     if not isinstance(item, Mapping):
-        raise ConfigError(f"{path}: got {item!r}; expected a mapping with a 'backend:' key")
+        raise ConfigError(f"{path}: got {shown(item)}; expected a mapping with a 'backend:' key")
     name = item.get("backend")
     if name is None:
         raise ConfigError(
@@ -321,7 +384,7 @@ def read_config_source(source: str | Path | Mapping[str, Any] | None) -> dict[st
         if data is None:
             data = {}
     if not isinstance(data, Mapping):
-        raise ConfigError(f"config: got {data!r}; expected a mapping at the top level")
+        raise ConfigError(f"config: got {shown(data)}; expected a mapping at the top level")
     return dict(data)
 
 
@@ -337,11 +400,16 @@ def load_config(
     backends = plugins_manager.backends()
     raw_tiers = data.get("tiers", list(DEFAULT_TIERS))
     if not isinstance(raw_tiers, list) or not raw_tiers:
-        raise ConfigError(f"tiers: got {raw_tiers!r}; expected a non-empty list of tier mappings")
+        raise ConfigError(
+            f"tiers: got {shown(raw_tiers)}; expected a non-empty list of tier mappings"
+        )
     tiers = tuple(_build_tier(t, f"tiers[{i}]", backends) for i, t in enumerate(raw_tiers))
     cfg: KVSDKConfig = _build(KVSDKConfig, data, "", skip=("tiers", "tenant_quotas"))
     cfg = dataclasses.replace(cfg, tiers=tiers, tenant_quotas=_tenant_quotas(data))
     _check(cfg, backends, require_host_tier=require_host_tier)
+    from kvsdk.trust import load_secret  # trust builds on this module's ConfigError
+
+    load_secret(cfg.secret_file)  # a missing, exposed, short or guessable secret: refused here
     return cfg
 
 
@@ -349,14 +417,14 @@ def _tenant_quotas(data: Mapping[str, Any]) -> tuple[tuple[str, float], ...]:
     quotas = data.get("tenant_quotas") or {}
     if not isinstance(quotas, Mapping):
         raise ConfigError(
-            f"tenant_quotas: got {quotas!r}; expected a mapping of tenant to share, e.g. "
+            f"tenant_quotas: got {shown(quotas)}; expected a mapping of tenant to share, e.g. "
             "{'*': 0.5, 'acme': 0.25}"
         )
     out = []
     for name, share in quotas.items():
         if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
             raise ConfigError(
-                f"tenant_quotas.{name}: got {share!r}; expected a share of the tier in (0, 1]"
+                f"tenant_quotas.{name}: got {shown(share)}; expected a share of the tier in (0, 1]"
             )
         out.append((str(name), float(share)))
     return tuple(out)

@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 
 ENV_VAR = "KVSDK_SECRET"
 MIN_SECRET_BYTES = 16
+MIN_DISTINCT_BYTES = 6
+"""A secret of fewer distinct bytes (``aaaa...``, ``abab...``) is refused: whatever
+its length, it is guessable. A random hex secret of 16 characters has fewer
+in about 1 of 70,000 draws; a longer one practically never."""
 MAX_SECRET_FILE_BYTES = 4096
 _warned_no_secret = False
 
@@ -48,6 +52,12 @@ class DeploymentSecret:
             raise ConfigError(
                 f"deployment secret: {len(material)} bytes; expected at least "
                 f"{MIN_SECRET_BYTES} (e.g. the output of `openssl rand -hex 32`)"
+            )
+        if len(set(material)) < MIN_DISTINCT_BYTES:
+            raise ConfigError(
+                f"deployment secret: {len(set(material))} distinct bytes in {len(material)}; "
+                f"expected at least {MIN_DISTINCT_BYTES} (a random secret, e.g. the output of "
+                "`openssl rand -hex 32`)"
             )
         self._master = hashlib.blake2b(material, digest_size=64, person=b"kvsdk-secret").digest()
 
@@ -82,13 +92,10 @@ def load_secret(
             "deployment secret from one of them"
         )
     if from_env is not None:
-        material = from_env.strip().encode()
-        if len(material) < MIN_SECRET_BYTES:
-            raise ConfigError(
-                f"{ENV_VAR}: {len(material)} bytes; expected at least {MIN_SECRET_BYTES} "
-                "(e.g. the output of `openssl rand -hex 32`)"
-            )
-        return DeploymentSecret(material)
+        try:
+            return DeploymentSecret(from_env.strip().encode())
+        except ConfigError as exc:
+            raise ConfigError(str(exc).replace("deployment secret:", f"{ENV_VAR}:", 1)) from None
     if not secret_file:
         return None
     return DeploymentSecret(_read_secret_file(secret_file))
