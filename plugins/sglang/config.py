@@ -8,12 +8,32 @@ skipped, so one file can serve a vLLM and an SGLang deployment.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from kvsdk import plugins_manager
 from kvsdk.backend import HostTier
 from kvsdk.config import ConfigError, KVSDKConfig, TierConfig, load_config
+
+CONFIG_ENV = "KVSDK_CONFIG"
+"""The environment variable naming kvsdk's config when SGLang passes none."""
+
+
+def config_source(extra_config: Mapping[str, Any] | None, kwargs: Mapping[str, Any] | None) -> Any:
+    """kvsdk's config as SGLang passes it: ``config`` of the storage extra config,
+    else of the backend's kwargs, else ``$KVSDK_CONFIG``."""
+    source = dict(extra_config or {}).get("config")
+    if source is None:
+        source = (kwargs or {}).get("config", os.environ.get(CONFIG_ENV))
+    if source is None:
+        raise ConfigError(
+            "config: missing; pass kvsdk's config in the storage extra config "
+            '(--hicache-storage-backend-extra-config \'{..., "config": "kvsdk.yaml"}\') '
+            f"or set {CONFIG_ENV}"
+        )
+    return source
 
 
 def load_storage_config(source: Any) -> tuple[KVSDKConfig, tuple[TierConfig, ...]]:

@@ -177,6 +177,13 @@ class HostPages:
             ):
                 self.rows, self.pool_rows = off // row, pool_rows
 
+    @classmethod
+    def of_tensors(cls, tensors: Sequence[torch.Tensor], nbytes: int) -> HostPages:
+        """Contiguous CPU tensors as one-region pages of ``nbytes`` each (no copy:
+        the caller keeps the tensors alive while the pages are in use)."""
+        addrs = np.asarray([[address(tensor_bytes(t))] for t in tensors], dtype=np.int64)
+        return cls(addrs, (nbytes,), None)
+
     def __len__(self) -> int:
         return int(self.addrs.shape[0])
 

@@ -44,18 +44,10 @@ What SGLang asks, and what kvsdk does:
 - A :class:`~kvsdk.store.factory.StoreHandle` owns the start (exporter,
   ``kvsdk_startup``) and the stop (``close``: tiers, ``kvsdk_shutdown``).
 
-- Hybrid models: SGLang's ``HybridCacheController`` hands each side pool to
-  ``register_mem_host_pool_v2`` and moves it with ``PoolTransfer`` batches
-  (``batch_exists_v2`` / ``batch_get_v2`` / ``batch_set_v2``). A Mamba state
-  pool (``MambaPoolHost``, one state per radix node keyed by its last page
-  hash, ``TRAILING_PAGES``) is served: states go to their own tier chain, in
-  a namespace of the state shapes and dtypes with the TP rank (states are
-  TP-sharded, also beside MLA KV; every rank writes its own), moved through the
-  pool's flat page API; ``batch_exists_v2`` cuts the KV hit to the lengths whose
-  trailing state is stored (``restorable_prefix_pages``). Any other side pool
-  (sliding-window ``swa``, indexer, DeepSeek-V4 compressed, draft) is refused
-  at registration with a :class:`~kvsdk.config.ConfigError`, which fails
-  SGLang's attach; a transfer for a pool not served is a miss.
+- Hybrid models: a Mamba state side pool (SGLang's v2 ``PoolTransfer`` API)
+  is served in its own tier chain (:mod:`kvsdk.plugins.sglang.mamba`); any
+  other side pool is refused at registration with a
+  :class:`~kvsdk.config.ConfigError`, which fails SGLang's attach.
 
 Not covered: side pools other than Mamba (above); heterogeneous-TP head
 splitting (``tp_lcm_size``). The Mamba path is tested on SGLang's real
@@ -67,51 +59,51 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
-    PoolHitPolicy,
-    PoolName,
     PoolTransfer,
     PoolTransferResult,
 )
-from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
 from kvsdk.backend import Backend
-from kvsdk.burst_log import BurstLog
 from kvsdk.config import ConfigError
-from kvsdk.events import EventTracker, KVEvent
-from kvsdk.keys import GroupLayout, Namespace, chunk_keys, epoch_fingerprint
+from kvsdk.events import KVEvent
+from kvsdk.keys import Namespace, chunk_keys, epoch_fingerprint
 from kvsdk.planner import LookupPlanner, PlanRequest
-from kvsdk.plugins.sglang.config import load_storage_config
+from kvsdk.plugins.sglang.config import CONFIG_ENV, config_source, load_storage_config
+from kvsdk.plugins.sglang.mamba import (
+    MambaStates,
+    each_side_transfer,
+    mamba_namespace,
+    restorable_prefix,
+    serves_side_pool,
+)
 from kvsdk.plugins.sglang.pages import (
     HostPages,
     PageGeometry,
     PagePool,
-    address,
     page_key_bytes,
     storage_namespace,
     tensor_bytes,
 )
+from kvsdk.plugins.sglang.stats import TransferStats
 from kvsdk.store.chain import TierChain
-from kvsdk.store.factory import StoreHandle, build_tiers
-from kvsdk.trust import load_secret
+from kvsdk.store.factory import StoreHandle
 from kvsdk.types import ChunkKey, KVGroupSpec, LookupResult
 
 __all__ = ["CONFIG_ENV", "KVSDKStorage", "load_storage_config"]
 
 log = logging.getLogger(__name__)
 
-CONFIG_ENV = "KVSDK_CONFIG"
 KNOWN_KEYS = 1 << 18
 """Keys per tier remembered as stored (for removed events); oldest forgotten first."""
 
@@ -123,16 +115,7 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         self, storage_config: HiCacheStorageConfig, kwargs: Mapping[str, Any] | None = None
     ) -> None:
         self.storage_config = storage_config
-        extra = dict(storage_config.extra_config or {})
-        source = extra.get("config")
-        if source is None:
-            source = (kwargs or {}).get("config", os.environ.get(CONFIG_ENV))
-        if source is None:
-            raise ConfigError(
-                "config: missing; pass kvsdk's config in the storage extra config "
-                '(--hicache-storage-backend-extra-config \'{..., "config": "kvsdk.yaml"}\') '
-                f"or set {CONFIG_ENV}"
-            )
+        source = config_source(storage_config.extra_config, kwargs)
         self.config, self._tier_configs = load_storage_config(source)
         if getattr(storage_config, "should_split_heads", False):
             raise ConfigError(
@@ -150,18 +133,14 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         self.handle = StoreHandle(self.config, port_offset=int(storage_config.tp_rank))
         self.metrics = self.handle.metrics
         self.events = self.handle.events
-        self._burst = BurstLog(log)
-        self._lock = threading.Lock()  # SGLang's stats
+        self._stats = TransferStats(self.metrics, log)  # kvsdk's metrics and SGLang's stats
         self.chain: TierChain | None = None
         self.pool: PagePool | None = None
         self.namespace: Namespace | None = None
         self._key_fp = b""  # the namespace's key-derivation key in this instance's epoch
         self.mem_pool_host: Any = None
         self._planner: LookupPlanner | None = None
-        self._mamba: _MambaPool | None = None  # SGLang's Mamba state host pool (v2)
-        self._sglang_stats: dict[str, list[float]] = {
-            "prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []
-        }  # fmt: skip
+        self._mamba: MambaStates | None = None  # SGLang's Mamba state host pool (v2)
 
     # -- set-up ------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -284,9 +263,7 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         try:
             given = list(target_locations) if target_locations is not None else [None] * n
             targets = [t if t is not None else self.pool.new_page() for t in given]
-            views = [tensor_bytes(t) for t in targets]
-            addrs = np.asarray([[address(v)] for v in views], dtype=np.int64)
-            ok = self._read(keys, HostPages(addrs, (views[0].nbytes,), None))
+            ok = self._read(keys, HostPages.of_tensors(targets, targets[0].nbytes))
         except Exception as exc:
             self._failure("get", exc)
             return [None] * n
@@ -370,42 +347,24 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """SGLang hands over a hybrid model's side pool (after the KV pool): a
         Mamba state pool is served, any other is refused (the attach fails)."""
-        name = str(host_pool_name)
-        if name == PoolName.KV.value:  # the anchor, served through v1
+        if not serves_side_pool(host_pool, host_pool_name):  # the KV anchor, served through v1
             return
-        if (
-            name != PoolName.MAMBA.value
-            or not isinstance(host_pool, MambaPoolHost)
-            or int(host_pool.page_size) != 1
-        ):
-            raise ConfigError(
-                f"hicache pool {name!r} ({type(host_pool).__name__}): kvsdk's SGLang storage "
-                "serves the KV pool and a hybrid model's Mamba state pool only, not this pool "
-                "(sliding-window, indexer, compressed or draft pools are not supported)"
-            )
         if self.pool is None:
             raise ConfigError(
                 "hicache pool 'mamba': kvsdk needs SGLang's KV host pool registered first"
             )
-        namespace = _mamba_namespace(
+        namespace = mamba_namespace(
             self.storage_config, self.config, host_pool, self.pool.geometry.page_tokens
         )
-        nbytes = int(host_pool.size_per_token)
         if self._mamba is not None:
-            self._mamba.chain.close()
-        tiers = build_tiers(replace(self.config, tiers=self._tier_configs), namespace, nbytes)
-        chain = TierChain(
-            tiers,
-            metrics=self.metrics,
-            events=EventTracker(enabled=False),  # events name KV pages only
-            item_bytes=nbytes,
-            copy_up=True,
+            self._mamba.close()
+        self._mamba = MambaStates.open(
+            host_pool, namespace, replace(self.config, tiers=self._tier_configs), self.metrics
         )
-        self._mamba = _MambaPool(host_pool, chain, namespace, namespace.fingerprint, nbytes)
         log.info(
             "kvsdk storage for SGLang: Mamba states, namespace %s, %d-byte states",
             namespace.hex,
-            nbytes,
+            self._mamba.nbytes,
         )
 
     def batch_exists_v2(
@@ -419,91 +378,33 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
         kv = self.batch_exists(keys, extra_info)
         if not pool_transfers:
             return PoolTransferResult(kv, {})
-        restorable = set(range(1, kv + 1))
-        hits: dict[str, int] = {PoolName.KV.value: kv} if kv else {}
         try:
-            for t in pool_transfers:
-                mamba = self._side(t)
-                if mamba is None or t.hit_policy != PoolHitPolicy.TRAILING_PAGES:
-                    return PoolTransferResult(0, {})  # a pool kvsdk does not store: a miss
-                trailing = max(1, len(t.keys or ()))
-                ckeys = chunk_keys(mamba.key_fp, [page_key_bytes(h) for h in keys[:kv]], 0)
-                present = [w > 0 for w in mamba.chain.lookup(ckeys)] if ckeys else []
-                ok = {p for p in range(1, kv + 1) if all(present[max(0, p - trailing) : p])}
-                if ok:
-                    hits[str(t.name)] = max(ok)
-                restorable &= ok
+            return restorable_prefix(keys, kv, pool_transfers, self._side_pool())
         except Exception as exc:
             self._failure("exists", exc)
             return PoolTransferResult(0, {})
-        order = sorted(restorable)
-        return PoolTransferResult(order[-1] if order else 0, hits, order)
 
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
         """Read each transfer's pages (Mamba states) into its host slots."""
-        return self._each_side_transfer(transfers, "get", self._read_states)
+        failure = partial(self._failure, "get")
+        return each_side_transfer(transfers, self._side_pool(), self._read_states, failure)
 
     def batch_set_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
         """Store each transfer's pages (Mamba states) from its host slots. Every
         rank writes its own (Mamba states are TP-sharded, even beside MLA)."""
-        return self._each_side_transfer(transfers, "put", self._write_states)
+        failure = partial(self._failure, "put")
+        return each_side_transfer(transfers, self._side_pool(), MambaStates.write, failure)
 
-    def _each_side_transfer(
-        self,
-        transfers: list[PoolTransfer],
-        op: str,
-        move: Callable[[_MambaPool, list[str], list[int]], list[bool]],
-    ) -> dict[str, list[bool]]:
-        """``move`` per transfer kvsdk serves; any other pool, or a failure, is a miss."""
-        out: dict[str, list[bool]] = {}
-        for t in transfers:
-            keys, slots, mamba = self._side_io(t)
-            ok = [False] * len(keys)
-            if mamba is not None and slots is not None:
-                try:
-                    ok = move(mamba, keys, slots)
-                except Exception as exc:
-                    self._failure(op, exc)
-            out[str(t.name)] = ok
-        return out
+    def _side_pool(self) -> MambaStates | None:
+        return self._mamba if self.ready else None
 
-    def _read_states(self, mamba: _MambaPool, keys: list[str], slots: list[int]) -> list[bool]:
-        pool = mamba.host_pool
-        targets = [pool.get_dummy_flat_data_page() for _ in keys]
-        views = [tensor_bytes(x) for x in targets]
-        addrs = np.asarray([[address(v)] for v in views], dtype=np.int64)
+    def _read_states(self, mamba: MambaStates, keys: list[str], slots: list[int]) -> list[bool]:
         assert self.pool is not None
-        where = self.pool.read(
-            mamba.chain, mamba.keys(keys), HostPages(addrs, (mamba.nbytes,), None)
-        )
-        ok = [w > 0 for w in where]
-        for slot, page, hit in zip(slots, targets, ok):
-            if hit:
-                pool.set_from_flat_data_page(slot, page)
-        return ok
-
-    def _write_states(self, mamba: _MambaPool, keys: list[str], slots: list[int]) -> list[bool]:
-        pool = mamba.host_pool
-        pages = [pool.get_data_page(slot, flat=True).contiguous() for slot in slots]
-        return mamba.chain.write_through(mamba.keys(keys), [tensor_bytes(p) for p in pages])
-
-    def _side(self, t: PoolTransfer) -> _MambaPool | None:
-        if str(t.name) == PoolName.MAMBA.value and self.ready:
-            return self._mamba
-        return None
-
-    def _side_io(self, t: PoolTransfer) -> tuple[list[str], list[int] | None, _MambaPool | None]:
-        """The keys, host slots and pool of a v2 transfer (slots None: unusable)."""
-        keys = list(t.keys or ())
-        mamba = self._side(t)
-        idx = t.host_indices
-        if mamba is None or idx is None or int(idx.numel()) != len(keys):
-            return keys, None, mamba
-        return keys, [int(i) for i in idx.tolist()], mamba
+        return mamba.read(self.pool, keys, slots)
 
     # -- housekeeping -----------------------------------------------------------------
     def clear(self) -> None:
@@ -516,29 +417,14 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             return
         self._key_fp = epoch_fingerprint(self.namespace.fingerprint, os.urandom(16))
         if self._mamba is not None:
-            self._mamba.key_fp = epoch_fingerprint(
-                self._mamba.namespace.fingerprint, os.urandom(16)
-            )
+            self._mamba.new_epoch()
         for t in self.chain.numbers:
             self.chain.cleared(t)
         self.chain.publish()
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` since the last call (pages and GB/s per batch)."""
-        with self._lock:
-            snap = {k: list(v) for k, v in self._sglang_stats.items()}
-            for v in self._sglang_stats.values():
-                v.clear()
-        try:
-            from sglang.srt.observability.metrics_collector import StorageMetrics
-        except ImportError:
-            return None
-        stats = StorageMetrics()
-        stats.prefetch_pgs.extend(int(v) for v in snap["prefetch_pgs"])
-        stats.backup_pgs.extend(int(v) for v in snap["backup_pgs"])
-        stats.prefetch_bandwidth.extend(snap["prefetch_bandwidth"])
-        stats.backup_bandwidth.extend(snap["backup_bandwidth"])
-        return stats
+        return self._stats.take()
 
     def kvsdk_stats(self) -> dict[str, Any]:
         """kvsdk's view: metrics snapshot and each tier's own counters."""
@@ -560,7 +446,7 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
 
     def close(self) -> None:
         if self._mamba is not None:
-            self._mamba.chain.close()
+            self._mamba.close()
             self._mamba = None
         self.handle.close()
 
@@ -581,67 +467,8 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
 
     def _observe(self, direction: str, pages: int, start: float) -> None:
         assert self.geometry is not None
-        seconds = time.perf_counter() - start
-        nbytes = pages * self.geometry.page_bytes
-        self.metrics.observe("kvsdk_transfer_seconds", seconds, direction=direction)
-        self.metrics.observe("kvsdk_transfer_bytes", float(nbytes), direction=direction)
-        if self.storage_config.enable_storage_metrics and pages:
-            key = "prefetch" if direction == "load" else "backup"
-            with self._lock:
-                self._sglang_stats[f"{key}_pgs"].append(pages)
-                self._sglang_stats[f"{key}_bandwidth"].append(nbytes / max(seconds, 1e-9) / 1e9)
+        sglang = bool(self.storage_config.enable_storage_metrics)
+        self._stats.observe(direction, pages, self.geometry.page_bytes, start, sglang)
 
     def _failure(self, op: str, exc: BaseException) -> None:
-        self.metrics.inc("kvsdk_failed_jobs_total", direction=op)
-        self._burst.warning(
-            f"batch-{op}", "kvsdk storage: %s failed, treated as misses: %r", op, exc
-        )
-
-
-class _MambaPool:
-    """SGLang's Mamba state host pool (one state per page key) and its tier chain."""
-
-    def __init__(
-        self, host_pool: Any, chain: TierChain, namespace: Namespace, key_fp: bytes, nbytes: int
-    ) -> None:
-        self.host_pool = host_pool
-        self.chain = chain
-        self.namespace = namespace
-        self.key_fp = key_fp
-        self.nbytes = nbytes
-
-    def keys(self, page_hashes: Sequence[str]) -> list[ChunkKey]:
-        return chunk_keys(self.key_fp, [page_key_bytes(h) for h in page_hashes], 0)
-
-
-def _mamba_namespace(
-    storage_config: HiCacheStorageConfig, config: Any, host_pool: Any, page_tokens: int
-) -> Namespace:
-    """Which Mamba states are interchangeable: model, state shapes and dtypes, TP
-    rank (states are TP-sharded, also beside MLA KV), PP stage, KV page size."""
-    shapes = {
-        "temporal": list(host_pool.temporal_state_shape),
-        "conv": [list(c) for c in host_pool.conv_state_shapes],
-        "layers": int(host_pool.num_mamba_layers),
-        "extra": [[list(b.shape[1:]), str(b.dtype)] for b in host_pool.slot_state_device_tensors],
-    }
-    dtype = f"{host_pool.temporal_dtype}/{host_pool.conv_dtype}"
-    return Namespace(
-        model=config.model_id or storage_config.model_name or "unknown-model",
-        dtype=dtype,
-        groups=(
-            GroupLayout(
-                shape=(int(host_pool.size_per_token),), dtype="|u1", layout=f"sglang/mamba/{shapes}"
-            ),
-        ),
-        tokens_per_chunk=page_tokens,
-        rank=int(storage_config.tp_rank),
-        world_size=int(storage_config.tp_size),
-        tenant_salt=config.tenant,
-        extra=(
-            ("engine", "sglang"),
-            ("pool", "mamba"),
-            ("pp", f"{storage_config.pp_rank}/{storage_config.pp_size}"),
-        ),
-        secret=load_secret(config.secret_file),
-    )
+        self._stats.failure(op, exc)
