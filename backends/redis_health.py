@@ -1,0 +1,147 @@
+"""The redis tier's failure accounting: a circuit breaker per server (per node
+in Cluster mode), the counters behind ``stats()``, and the warnings, each
+logged once per burst with the password kept out."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Any
+
+from redis.exceptions import AuthenticationError, ClusterError, RedisClusterException
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from kvsdk.backends.redis_options import RedisOptions, mask_url, redact
+from kvsdk.burst_log import BurstLog
+
+OUTAGE: tuple[type[BaseException], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ClusterError,
+    RedisClusterException,
+    OSError,
+)
+"""Errors that mean "the server (node) is not answering": open its breaker."""
+COUNTERS = (
+    "hits", "misses", "corrupt", "unverifiable", "oversized", "puts", "put_failures", "deletes",
+    "skipped", "outages", "command_errors", "topology_refreshes", "errors",
+)  # fmt: skip
+"""The counters ``stats()`` reports, in its order."""
+
+
+class Breaker:
+    """Skip a server for a growing backoff after each failure."""
+
+    def __init__(self, initial: float, cap: float) -> None:
+        self._initial = initial
+        self._cap = cap
+        self._backoff = initial
+        self._open_until = 0.0
+        self._lock = threading.Lock()
+
+    def allow(self) -> bool:
+        return time.monotonic() >= self._open_until
+
+    @property
+    def is_open(self) -> bool:
+        return not self.allow()
+
+    def failed(self) -> float:
+        with self._lock:
+            pause = self._backoff
+            self._open_until = time.monotonic() + pause
+            self._backoff = min(self._cap, self._backoff * 2)
+            return pause
+
+    def succeeded(self) -> None:
+        if self._backoff != self._initial:
+            with self._lock:
+                self._backoff = self._initial
+
+
+class Health:
+    """The tier's breakers (one per server name) and counters, under one lock,
+    and the burst log every warning of the tier goes through (on ``log``)."""
+
+    def __init__(self, options: RedisOptions, log: logging.Logger) -> None:
+        self.options = options
+        self.where = mask_url(options.url)
+        """The URL with its password masked: what messages name the tier by."""
+        self.burst = BurstLog(log)
+        self._lock = threading.Lock()
+        self._breakers: dict[str, Breaker] = {}
+        self._counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+
+    def redact(self, text: str) -> str:
+        return redact(self.options, text)
+
+    def breaker(self, name: str) -> Breaker:
+        b = self._breakers.get(name)
+        if b is None:
+            with self._lock:
+                b = self._breakers.setdefault(
+                    name, Breaker(self.options.backoff_initial, self.options.backoff_max)
+                )
+        return b
+
+    def count(self, name: str, n: int = 1) -> None:
+        if n:
+            with self._lock:
+                self._counters[name] += n
+
+    def counter(self, name: str) -> int:
+        with self._lock:
+            return self._counters[name]
+
+    def outage(self, name: str, client: Any, exc: BaseException) -> None:
+        """Server ``name`` did not answer: open its breaker, drop ``client``'s
+        sockets (they reconnect after the pause), count and warn."""
+        pause = self.breaker(name).failed()
+        self.count("outages")
+        self.count("errors")
+        if client is not None:
+            with contextlib.suppress(Exception):  # best effort on a broken pool
+                client.connection_pool.disconnect()  # stale sockets: reconnect after the pause
+        self.burst.warning(
+            f"outage:{name}",
+            "redis tier %s: %s %s (%s: %s); serving misses, retry in %.1fs",
+            self.where, name, what_failed(exc), type(exc).__name__, self.redact(str(exc)),
+            pause,
+        )  # fmt: skip
+
+    def command_error(self, op: str, exc: Exception) -> None:
+        """The server refused an ``op`` command (a reply that is an error)."""
+        self.count("command_errors")
+        self.count("errors")
+        self.burst.warning(f"cmd:{op}", "redis tier %s: %s refused: %s",
+                           self.where, op.upper(), self.redact(str(exc)))  # fmt: skip
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            out = {k: float(v) for k, v in self._counters.items()}
+            out["breakers_open"] = float(sum(b.is_open for b in self._breakers.values()))
+        return out
+
+    def available(self) -> bool:
+        """False while a server is skipped for its backoff (a breaker open)."""
+        with self._lock:
+            return not any(b.is_open for b in self._breakers.values())
+
+
+def what_failed(exc: BaseException) -> str:
+    """What an outage was, in words: refused credentials and failed TLS
+    handshakes are not a server that does not answer."""
+    causes: list[BaseException] = []
+    cause: BaseException | None = exc
+    while cause is not None and cause not in causes:  # Cluster errors wrap the node's error
+        causes.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    if any(isinstance(c, AuthenticationError) for c in causes):
+        return "refused this client's credentials (username, password)"
+    text = " ".join(str(c) for c in causes)
+    if "SSL" in text or "certificate" in text:
+        return "failed the TLS handshake (certificate, tls_ca_file, tls_verify)"
+    return "is not answering"

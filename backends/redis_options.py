@@ -1,0 +1,111 @@
+"""The redis tier's options and how they become connections: the URL to dial,
+the keyword arguments every connection gets (timeouts, AUTH, TLS), and the
+password kept out of any text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from kvsdk import trust
+
+mask_url = trust.mask_url
+"""``redis://user:secret@host`` → ``redis://user:***@host`` (any password)."""
+
+
+@dataclass(frozen=True, repr=False)
+class RedisOptions:
+    url: str = "redis://127.0.0.1:6379/0"
+    """``redis://`` or ``rediss://`` (TLS); in Cluster mode, any one node."""
+    cluster: bool = False
+    """Redis Cluster: keys spread over the nodes by slot."""
+    ttl_seconds: int | None = None
+    """Expire entries this long after they are stored (None: never; rely on maxmemory)."""
+    username: str | None = None
+    """AUTH (ACL) user; overrides one in the URL."""
+    password: str | None = None
+    """AUTH password (never logged); overrides one in the URL."""
+    tls: bool = False
+    """Use TLS even with a ``redis://`` URL."""
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_verify: bool = True
+    """Verify the server certificate and host name."""
+    socket_timeout: float = 1.0
+    """Seconds a command may wait for the server before it counts as a failure."""
+    connect_timeout: float = 1.0
+    max_batch: int = 64
+    """Keys per pipelined round trip."""
+    max_connections: int = 16
+    """Connections per server (per node in Cluster mode)."""
+    backoff_initial: float = 0.5
+    """Seconds the server is skipped after a failure; doubles per failure."""
+    backoff_max: float = 30.0
+
+    def __post_init__(self) -> None:
+        scheme = urlsplit(self.url).scheme
+        if scheme not in ("redis", "rediss"):
+            raise ValueError(f"url: got {mask_url(self.url)!r}; expected redis:// or rediss://")
+        if self.ttl_seconds is not None and self.ttl_seconds <= 0:
+            raise ValueError(f"ttl_seconds: got {self.ttl_seconds}; expected a positive integer")
+        for name in ("socket_timeout", "connect_timeout", "backoff_initial", "backoff_max"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: got {getattr(self, name)}; expected a positive number")
+        for name in ("max_batch", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: got {getattr(self, name)}; expected at least 1")
+
+    def __repr__(self) -> str:
+        shown = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        shown["url"] = mask_url(self.url)
+        if self.password is not None:
+            shown["password"] = "***"
+        return "RedisOptions(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+
+def effective_url(o: RedisOptions) -> str:
+    """The URL to connect to: ``rediss://`` when ``tls`` is set on a ``redis://``
+    URL, and without the user or password that ``username`` / ``password``
+    override (redis-py lets a URL's credentials win over keyword arguments)."""
+    url = o.url
+    if o.tls and url.startswith("redis://"):
+        url = "rediss://" + url[len("redis://") :]
+    parts = urlsplit(url)
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if not at or (o.username is None and o.password is None):
+        return url
+    user, colon, password = userinfo.partition(":")
+    user = "" if o.username is not None else user
+    password = "" if o.password is not None else password
+    userinfo = user + (":" + password if colon and password else "")
+    netloc = (userinfo + "@" if userinfo else "") + host
+    return parts._replace(netloc=netloc).geturl()
+
+
+def connection_kwargs(o: RedisOptions, url: str) -> dict[str, Any]:
+    """Timeouts, AUTH and TLS for every connection the tier (or ``inventory``) opens."""
+    kw: dict[str, Any] = {
+        "socket_timeout": o.socket_timeout,
+        "socket_connect_timeout": o.connect_timeout,
+        "max_connections": o.max_connections,
+    }
+    if o.username is not None:
+        kw["username"] = o.username
+    if o.password is not None:
+        kw["password"] = o.password
+    if url.startswith("rediss://"):
+        kw["ssl_cert_reqs"] = "required" if o.tls_verify else "none"
+        kw["ssl_check_hostname"] = o.tls_verify
+        for opt, name in (("tls_ca_file", "ssl_ca_certs"), ("tls_cert_file", "ssl_certfile"),
+                          ("tls_key_file", "ssl_keyfile")):  # fmt: skip
+            if getattr(o, opt) is not None:
+                kw[name] = getattr(o, opt)
+    return kw
+
+
+def redact(o: RedisOptions, text: str) -> str:
+    """``text`` without the options' password (option or URL, raw or decoded)."""
+    url = urlsplit(o.url)
+    return trust.redact(text, (o.password, url.password, unquote(url.password or "")))
