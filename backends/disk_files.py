@@ -14,6 +14,8 @@ from typing import Any
 from kvsdk.chunk_format import HEADER_SIZE, HeaderAfterPayload
 
 SUFFIX = ".kvc"
+TMP_PREFIX = ".tmp."
+"""How a temporary file of a write in progress is named (never a chunk's name)."""
 ENTRY_RE = re.compile(r"^[0-9a-f]{32}\.kvc$")
 """A chunk file's name: its key in hex."""
 OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
