@@ -16,7 +16,7 @@ staging + few large copies), which shows where the measured threshold falls.
 
 Writes ``out/bench_cuda_copy.json`` and ``out/bench_cuda_copy.png``.
 
-    PYTHONPATH=. python3 benchmarks/bench_cuda_copy.py [--total-mib 256] [--layout fused]
+    python3 benchmarks/bench_cuda_copy.py [--total-mib 256] [--layout fused]
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks of the CUDA transfer worker, in one command, on a GPU host that
 # has python3 with torch, numpy and pytest (no package registry, no install):
-# kvsdk is imported from this source tree (PYTHONPATH=repo root).
+# kvsdk is imported from a copy of this source tree laid out as installed
+# (kvsdk/ with plugins/ and backends/ under it, as pyproject's package-dir maps them).
 #
 #   scripts/gpu_check.sh            # ~3-5 minutes on an H200; hard limit below 8
 #
@@ -12,7 +13,11 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+tree=out/gpu-tree
+rm -rf "$tree" && mkdir -p "$tree"
+cp -r kvsdk "$tree/kvsdk" && cp -r plugins "$tree/kvsdk/plugins" && cp -r backends "$tree/kvsdk/backends"
+export PYTHONPATH="$PWD/$tree${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONSAFEPATH=1   # the root's kvsdk/ is the core alone: never import it from there
 export PYTHONUNBUFFERED=1
 mkdir -p out
 failed=()
@@ -42,7 +47,7 @@ EOF
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current \
     --format=csv 2>/dev/null || echo "(nvidia-smi not available)"
 
-step "import from the source tree" 60 $PY -c \
+step "import from the source tree (as installed)" 60 $PY -c \
     "import kvsdk, kvsdk.transfer.layout, kvsdk.transfer.cuda as t; print('kvsdk', kvsdk.__version__, 'from', kvsdk.__file__); print('worker:', t.CUDATransferWorker.name)"
 step "CPU tests of the worker's parts" 120 $PY -m pytest -q -p no:cacheprovider \
     tests/unit/test_kv_layout.py tests/unit/test_transfer_cuda_cpu_parts.py
