@@ -32,6 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "benchmarks" / "profile_scheduler_hooks.py"
 HOT_MODULES = (
     "kvsdk/scheduler/offload.py",
+    "kvsdk/scheduler/chunk_keys.py",
+    "kvsdk/scheduler/lookup.py",
+    "kvsdk/scheduler/load_jobs.py",
+    "kvsdk/scheduler/store_pacing.py",
     "kvsdk/scheduler/request.py",
     "kvsdk/scheduler/store_jobs.py",
     "kvsdk/scheduler/tail.py",

@@ -19,7 +19,10 @@ KV group, token counts. Keys come from the engine's block hashes (one per
 ``tokens_per_hash`` tokens) or, if it has none, from the token ids.
 
 Modules: :mod:`~kvsdk.scheduler.offload` (the scheduler), :mod:`~kvsdk.scheduler.request`
-(per-request state and chunk arithmetic), :mod:`~kvsdk.scheduler.tail` (the
+(per-request state and chunk arithmetic), :mod:`~kvsdk.scheduler.chunk_keys` (keys
+from engine hashes), :mod:`~kvsdk.scheduler.lookup` (hits), :mod:`~kvsdk.scheduler.load_jobs`
+(loads in flight), :mod:`~kvsdk.scheduler.store_pacing` (when stores are due),
+:mod:`~kvsdk.scheduler.store_jobs` (store jobs), :mod:`~kvsdk.scheduler.tail` (the
 prompt's partial last chunk), :mod:`~kvsdk.scheduler.steps` (a step's inputs and outputs).
 """
 

@@ -4,29 +4,24 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterable, Mapping, Sequence
 
-from kvsdk.events import EventOrigin, KVEvent
-from kvsdk.keys import Namespace, chunk_key, epoch_fingerprint, token_chunk_hashes
+from kvsdk.events import KVEvent
+from kvsdk.keys import Namespace, epoch_fingerprint, token_chunk_hashes
 from kvsdk.ledger import JobLedger
 from kvsdk.metrics import Metrics
-from kvsdk.planner import LookupPlanner, PlanRequest
-from kvsdk.scheduler.request import RequestState, chunks_to_store, load_copies
-from kvsdk.scheduler.steps import DECODE_STORE_CHUNKS, NO_JOBS, StepJobs, WorkerResult
-from kvsdk.scheduler.store_jobs import StoreJobs
-from kvsdk.scheduler.tail import (
-    TAIL_CHUNK,
-    prompt_tail,
-    tail_lookup,
-    tails_supported,
-)
+from kvsdk.planner import LookupPlanner
+from kvsdk.scheduler.chunk_keys import ChunkKeys
+from kvsdk.scheduler.load_jobs import LoadJobs
+from kvsdk.scheduler.lookup import Lookups
+from kvsdk.scheduler.request import RequestState
+from kvsdk.scheduler.steps import NO_JOBS, StepJobs, WorkerResult
+from kvsdk.scheduler.store_jobs import Candidate, StoreJobs
+from kvsdk.scheduler.store_pacing import StorePacing
+from kvsdk.scheduler.tail import tails_supported
 from kvsdk.store.tiered import TieredStore
-from kvsdk.transfer import BlockCopies, Direction, TransferJob
+from kvsdk.transfer import TransferJob
 from kvsdk.types import ChunkKey, GroupKind, KVGroupSpec, ReqId, ReqKey
-
-KEY_CACHE_ENTRIES = 1 << 16
-"""Engine hashes whose keys each group remembers (~10 MiB at most; cleared when full)."""
 
 
 class OffloadScheduler:
@@ -48,7 +43,6 @@ class OffloadScheduler:
         store caught by a flush is then discarded, never trusted."""
         self.groups = tuple(groups)
         self.namespace = namespace
-        self.ns_fp = namespace.fingerprint
         self.store = store
         self.metrics = metrics or store.metrics
         self.tokens_per_hash = tokens_per_hash or self.groups[0].tokens_per_block
@@ -58,8 +52,6 @@ class OffloadScheduler:
                     f"group {g.index}: chunk of {g.tokens_per_chunk} tokens is not a multiple "
                     f"of the hash block ({self.tokens_per_hash} tokens)"
                 )
-        self._chunk_tokens = [g.tokens_per_chunk for g in self.groups]
-        self._min_chunk_tokens = min(self._chunk_tokens)
         mamba = {g.tokens_per_chunk for g in self.groups if g.kind is GroupKind.MAMBA}
         if len(mamba) > 1:
             raise ValueError(f"state-space groups with different chunk sizes {sorted(mamba)}")
@@ -69,14 +61,20 @@ class OffloadScheduler:
             mamba_align_tokens=mamba.pop() if mamba else None,  # a hit ends on a state
         )
         self._tails = tails_supported(self.groups)
-        self._batch_decode_stores = all(g.kind is GroupKind.FULL_ATTENTION for g in self.groups)
-        """Sliding-window and Mamba groups lose blocks while a request runs (the
-        engine frees what falls out of the window, or a state two blocks back, and
-        may hand it to another request): their chunks are stored in the step they
-        complete, where the store is fenced before any reuse, never batched."""
+        self._lookups = Lookups(
+            self.planner,
+            store,
+            self.metrics,
+            min_chunk_tokens=min(g.tokens_per_chunk for g in self.groups),
+            max_load_tokens=max_load_tokens,
+        )
         self.ledger = JobLedger(num_workers)
+        self._keys = ChunkKeys(
+            self.groups, self.tokens_per_hash, namespace.fingerprint, store.events
+        )
+        self._loads = LoadJobs(self.groups, store, self.ledger, self.metrics)
+        self._pacing = StorePacing(self.groups, self._keys, self._loads)
         self._jobs = StoreJobs(self.groups, store, self.ledger)
-        self.max_load_tokens = max_load_tokens
         self.blocks_rewritten_before_flush = blocks_rewritten_before_flush
         self._requests: dict[ReqKey, RequestState] = {}
         self._retired = 0
@@ -85,25 +83,24 @@ class OffloadScheduler:
         """Resets so far: a hit promised before one cannot be loaded after it."""
         self._finishing: dict[ReqId, list[ReqKey]] = {}
         """Per id, retired incarnations the engine finished whose final step is next."""
-        self._being_loaded: dict[ChunkKey, int] = {}
-        """Chunks that loads in flight copy out of, with how many loads do."""
-        self._step_loads: list[TransferJob] = []
-        self._load_jobs: dict[int, TransferJob] = {}
-        """Load jobs in flight (the engine blocks of a failed one are reported back)."""
-        self._loading_requests: set[ReqKey] = set()
         self._awaiting_final_store: set[ReqKey] = set()
-        self.store_due: dict[ReqKey, int] = {}
+
+    @property
+    def store_due(self) -> dict[ReqKey, int]:
         """Per running request, the token count at which its next store is built
         (inside the prompt: the next chunk's end; past it, ``DECODE_STORE_CHUNKS``
         chunks later). An adapter may leave requests below it out of
         ``computed_after_step`` (most requests on most steps): read-only."""
-        self._key_cache: list[dict[bytes, ChunkKey]] = [{} for _ in self.groups]
-        """Per group, the key of each engine hash derived lately: requests sharing
-        a prefix (most of them, where anything is reused) derive its keys once."""
-        self._sync_delay = self.metrics.histogram("kvsdk_lookup_delay_seconds", kind="sync")
-        self._sync_delays: list[float] = []
-        self._hit_tokens = 0
-        """Planner times and promised tokens not yet in the metrics (flushed once per step)."""
+        return self._pacing.due
+
+    @property
+    def ns_fp(self) -> bytes:
+        """The fingerprint chunk keys are derived under (a fresh epoch's after a reset)."""
+        return self._keys.ns_fp
+
+    @property
+    def max_load_tokens(self) -> int | None:
+        return self._lookups.max_load_tokens
 
     # -- requests ---------------------------------------------------------------------
     def add_request(
@@ -144,13 +141,8 @@ class OffloadScheduler:
             tenant=tenant,
         )
         if self._tails and prompt_token_ids is not None:
-            r.tail = prompt_tail(
-                self.ns_fp, self.groups, r.hashes, self.tokens_per_hash, prompt_token_ids, tail_salt
-            )
-            if r.tail is not None and self.store.events.enabled:
-                for g, key in zip(self.groups, r.tail.keys):
-                    self.store.events.annotate(key, EventOrigin(g.index, TAIL_CHUNK, b""))
-        self._set_next_store(r)
+            r.tail = self._keys.prompt_tail(r.hashes, prompt_token_ids, tail_salt)
+        self._pacing.update(r)
 
     def _retire(self, req_id: ReqId) -> None:
         """File the finished request under ``req_id`` as ``(req_id, n)``."""
@@ -162,9 +154,7 @@ class OffloadScheduler:
         self._requests[key] = r
         if req_id in self.store_due:
             self.store_due[key] = self.store_due.pop(req_id)
-        if req_id in self._loading_requests:
-            self._loading_requests.discard(req_id)
-            self._loading_requests.add(key)
+        self._loads.rename(req_id, key)
         if req_id in self._awaiting_final_store:  # its final step is next: by this id
             self._awaiting_final_store.discard(req_id)
             self._awaiting_final_store.add(key)
@@ -197,44 +187,9 @@ class OffloadScheduler:
         if r is not None and len(block_hashes) > len(r.hashes):
             r.hashes.extend(block_hashes[len(r.hashes) :])
 
-    def _refresh_keys(self, r: RequestState) -> None:
-        n_hash = len(r.hashes)
-        events = self.store.events
-        for gi, g in enumerate(self.groups):
-            per = g.tokens_per_chunk // self.tokens_per_hash
-            keys = r.keys[gi]
-            first = len(keys)
-            if first >= n_hash // per:
-                continue
-            hashes = r.hashes[first * per + per - 1 : (n_hash // per) * per : per]
-            cache = self._key_cache[gi]
-            if len(cache) > KEY_CACHE_ENTRIES:
-                cache.clear()
-            for h in hashes:
-                k = cache.get(h)
-                if k is None:
-                    k = cache[h] = chunk_key(self.ns_fp, h, g.index)
-                keys.append(k)
-            if events.enabled:  # events name chunks by the engine's hashes
-                for c, h in enumerate(hashes, first):
-                    events.annotate(keys[c], EventOrigin(g.index, c, h))
-
-    def _set_next_store(self, r: RequestState) -> None:
-        tpcs = self._chunk_tokens
-        if len(tpcs) == 1:
-            r.next_store_at = (r.next_store_chunk[0] + 1) * tpcs[0]
-        else:
-            r.next_store_at = min((c + 1) * t for c, t in zip(r.next_store_chunk, tpcs))
-        due = r.next_store_at
-        if due > r.num_prompt_tokens and self._batch_decode_stores:  # generated: in batches
-            due += (DECODE_STORE_CHUNKS - 1) * self._min_chunk_tokens
-        if r.tail is not None and not r.tail.stored:
-            due = min(due, r.tail.end)
-        self.store_due[r.req_id] = due
-
     def is_loading(self, req_id: ReqId) -> bool:
         """Whether a load into ``req_id``'s blocks has not been reported done."""
-        return req_id in self._loading_requests
+        return req_id in self._loads.loading
 
     def has_request(self, req_id: ReqId) -> bool:
         """Whether ``req_id`` names a live request (one the engine has not
@@ -259,48 +214,12 @@ class OffloadScheduler:
             ids.clear()
         if self.ledger.has_jobs(req_id):
             return None  # its stores must land before anything is loaded into it
-        self._refresh_keys(r)
+        self._keys.refresh(r)
         r.num_computed_local = num_computed_tokens
-        start = time.perf_counter()
-        plan = self.planner.plan(
-            PlanRequest(
-                req_id=req_id,
-                num_tokens=r.num_tokens,
-                num_prompt_tokens=r.num_prompt_tokens,
-                num_computed_tokens=num_computed_tokens,
-                group_keys=r.keys,
-                max_load_tokens=self.max_load_tokens,
-            ),
-            self.store.lookup,
-            max_num_new_tokens=max_num_new_tokens,
-            being_loaded=self._being_loaded,
-            lookup_run=self.store.lookup_run,
-        )
-        hit = None if plan is None else self._with_tail(r, num_computed_tokens, plan.num_hit_tokens)
-        now = time.perf_counter()
-        self._sync_delays.append(now - start)
-        if hit is None:
-            if r.deferred_since is None:
-                r.deferred_since = start
-            return None
-        if r.deferred_since is not None:
-            self.metrics.observe("kvsdk_lookup_delay_seconds", now - r.deferred_since, kind="async")
-            r.deferred_since = None
-        self._hit_tokens += hit
-        r.hit_resets = self._resets
+        hit = self._lookups.hit(req_id, r, max_num_new_tokens, self._loads.being_loaded)
+        if hit is not None:
+            r.hit_resets = self._resets
         return hit
-
-    def _with_tail(self, r: RequestState, computed: int, hit: int) -> int | None:
-        """``hit`` extended by the prompt's tail (None: ask again)."""
-        t = r.tail
-        if t is None or not t.start <= computed + hit < t.end:
-            return hit
-        if len(r.keys[0]) * self._min_chunk_tokens > t.start:
-            return hit  # the request grew past its prompt: a whole chunk is named there now
-        if self.max_load_tokens is not None and t.end - computed > self.max_load_tokens:
-            return hit
-        served = tail_lookup(t, self.store.lookup, self._being_loaded)
-        return None if served is None else (t.end - computed if served else hit)
 
     # -- loads ----------------------------------------------------------------------------
     def allocated(
@@ -322,28 +241,10 @@ class OffloadScheduler:
                 "before a reset; look it up again after reset_prefix_cache"
             )
         end = r.num_computed_local + num_external_tokens
-        keys, per_group = load_copies(r, self.groups, end)
-        slots = self.store.prepare_load(keys)
-        if len(per_group) == 1 and len(per_group[0][2]) == len(keys):
-            gi, eb, _, offs = per_group[0]  # a block per key, in the keys' order
-            copies: tuple[BlockCopies, ...] = (BlockCopies(self.groups[gi].index, eb, slots, offs),)
-        else:
-            slot_of = dict(zip(keys, slots)).__getitem__
-            copies = tuple(
-                BlockCopies(self.groups[gi].index, eb, list(map(slot_of, bkeys)), offs)
-                for gi, eb, bkeys, offs in per_group
-            )
-        job_id = self.ledger.add_load(req_id, keys)
-        self._loading_requests.add(req_id)
-        job = TransferJob(job_id, Direction.LOAD, copies)
-        self._step_loads.append(job)
-        self._load_jobs[job_id] = job
-        being_loaded = self._being_loaded
-        for k in keys:
-            being_loaded[k] = being_loaded.get(k, 0) + 1
+        self._loads.add(r, end)
         for gi, g in enumerate(self.groups):  # loaded chunks need no store
             r.next_store_chunk[gi] = max(r.next_store_chunk[gi], end // g.tokens_per_chunk)
-        self._set_next_store(r)
+        self._pacing.update(r)
 
     # -- the step ---------------------------------------------------------------------------
     def build_step(
@@ -367,12 +268,12 @@ class OffloadScheduler:
         step (e.g. copy-on-write destinations).
         """
         if (
-            not (computed_after_step or new_block_ids or finished or self._step_loads)
+            not (computed_after_step or new_block_ids or finished or self._loads.queued)
             and not (preempted or replace_block_ids or reallocated_block_ids)
             and self.ledger.step_is_empty()
         ):
             # most steps of a decoding batch: nothing to store, load or flush
-            self._flush_metrics()
+            self._lookups.flush_metrics()
             self.store.step()
             return NO_JOBS
         # by incarnation (an id reused since its request finished names two)
@@ -397,80 +298,45 @@ class OffloadScheduler:
         for key in done:
             self.ledger.request_finished(key)
         self.ledger.collect_fence_flushes()
-        candidates: dict[str, list[tuple[RequestState, list[Sequence[int]], list[ChunkKey]]]] = {}
+        candidates: dict[str, list[Candidate]] = {}
         requests = self._requests
-        store_due = self.store_due
+        pacing = self._pacing
+        store_due = pacing.due
         tails: list[RequestState] = []
         for req_id, upto in computed_after_step.items():
             # most steps complete no new chunk for most requests: one comparison
             if upto >= store_due.get(req_id, upto + 1):
                 r = requests[req_id]
-                if (found := self._store_candidates(r, upto)) is not None:
+                if (found := pacing.store_candidates(r, upto)) is not None:
                     candidates.setdefault(r.tenant, []).append((r, *found))
-                if self._tail_due(r, upto):
+                if pacing.tail_due(r, upto):
                     tails.append(r)
         for key, upto in done.items():
             r = requests.get(key)
             if r is None:
                 continue
-            if upto >= r.next_store_at and (found := self._store_candidates(r, upto)) is not None:
+            if upto >= r.next_store_at and (found := pacing.store_candidates(r, upto)) is not None:
                 candidates.setdefault(r.tenant, []).append((r, *found))
-            if self._tail_due(r, upto):
+            if pacing.tail_due(r, upto):
                 tails.append(r)
         by_tenant: dict[str, list[RequestState]] = {}
         for r in tails:
-            self._tail_taken(r)
+            pacing.tail_taken(r)
             by_tenant.setdefault(r.tenant, []).append(r)
         stores = []
         for tenant in [*candidates, *(t for t in by_tenant if t not in candidates)]:
             stores += self._jobs.store_jobs(
                 tenant, candidates.get(tenant, []), by_tenant.get(tenant, ())
             )
-        self._flush_metrics()
+        self._lookups.flush_metrics()
         for key in done:
             self._finish(key)
-        loads, self._step_loads = tuple(self._step_loads), []
+        loads = self._loads.take_queued()
         flush = frozenset(self.ledger.end_step())
         if flush and self.blocks_rewritten_before_flush:
             self.ledger.distrust(flush)
         self.store.step()
         return StepJobs(loads, tuple(stores), flush)
-
-    def _flush_metrics(self) -> None:
-        if self._hit_tokens:
-            self.metrics.inc("kvsdk_hit_tokens_total", self._hit_tokens)
-            self._hit_tokens = 0
-        if self._sync_delays:
-            self._sync_delay.observe_many(self._sync_delays)
-            self._sync_delays.clear()
-
-    def _store_candidates(
-        self, r: RequestState, upto: int
-    ) -> tuple[list[Sequence[int]], list[ChunkKey]] | None:
-        """Chunks of ``r`` complete at ``upto`` tokens and not offered yet:
-        per group the chunk indices, and their keys."""
-        if r.req_id in self._loading_requests:
-            return None  # stores wait until the request's load landed
-        self._refresh_keys(r)
-        found = chunks_to_store(r, self.groups, upto)
-        self._set_next_store(r)
-        return found
-
-    def _tail_due(self, r: RequestState, upto: int) -> bool:
-        t = r.tail
-        return (
-            t is not None
-            and not t.stored
-            and upto >= t.end
-            and r.req_id not in self._loading_requests
-        )
-
-    def _tail_taken(self, r: RequestState) -> None:
-        """``r``'s prompt tail goes into this step's store jobs (once per
-        request: stored, or not if the tier has no room)."""
-        assert r.tail is not None
-        r.tail.stored = True
-        self._set_next_store(r)
 
     # -- completions ----------------------------------------------------------------------------
     def worker_results(self, results: Iterable[WorkerResult]) -> set[int]:
@@ -487,20 +353,7 @@ class OffloadScheduler:
                 if job.failed:
                     self.metrics.inc("kvsdk_failed_jobs_total", direction="store")
             else:
-                load = self._load_jobs.pop(job.job_id)
-                self._loading_requests.discard(job.req_id)
-                self.store.complete_load(job.keys)
-                for k in job.keys:
-                    n = self._being_loaded.get(k, 0) - 1
-                    if n > 0:
-                        self._being_loaded[k] = n
-                    else:
-                        self._being_loaded.pop(k, None)
-                if job.failed:
-                    self.metrics.inc("kvsdk_failed_jobs_total", direction="load")
-                    failed_blocks.update(b for c in load.copies for b in c.engine_blocks)
-                    # never offer chunks that just failed to load again: they are misses now
-                    self.store.discard(job.keys)
+                failed_blocks.update(self._loads.completed(job))
             r = self._requests.get(job.req_id)
             if r is not None and r.finished and not self.ledger.has_jobs(job.req_id):
                 del self._requests[job.req_id]  # (its store_due entry went at _finish)
@@ -524,14 +377,10 @@ class OffloadScheduler:
         r.engine_finished = True
         r.finish_tokens = num_tokens
         self._awaiting_final_store.add(req_id)
-        if r.deferred_since is not None:
-            self.metrics.observe(
-                "kvsdk_lookup_delay_seconds", time.perf_counter() - r.deferred_since, kind="async"
-            )
-            r.deferred_since = None
+        self._lookups.end_deferral(r)
         final_store_due = num_tokens is not None and (
-            (num_tokens >= r.next_store_at and req_id not in self._loading_requests)
-            or self._tail_due(r, num_tokens)
+            (num_tokens >= r.next_store_at and req_id not in self._loads.loading)
+            or self._pacing.tail_due(r, num_tokens)
         )
         return final_store_due or self.ledger.has_store_jobs(req_id)
 
@@ -573,9 +422,7 @@ class OffloadScheduler:
         the reset is served to this instance after it, while the shared
         tiers keep every entry for the other instances (a full wipe is
         ``kvsdk clear``)."""
-        self.ns_fp = epoch_fingerprint(self.namespace.fingerprint, os.urandom(16))
-        for cache in self._key_cache:
-            cache.clear()  # the old epoch's keys
+        self._keys.new_epoch(epoch_fingerprint(self.namespace.fingerprint, os.urandom(16)))
         self._resets += 1
         flush = self.ledger.reset()
         # finished requests store nothing more: their KV predates the reset
@@ -588,11 +435,8 @@ class OffloadScheduler:
             r.next_store_chunk = [0] * len(self.groups)
             r.keys = [[] for _ in self.groups]  # the new epoch's, derived again when needed
             r.tail = None  # its key is the old epoch's
-            self._set_next_store(r)
-        # loads still in flight keep their slots pinned until they complete
-        self._being_loaded.clear()
-        self._load_jobs.clear()
-        self._loading_requests.clear()
+            self._pacing.update(r)
+        self._loads.reset()  # loads still in flight keep their slots pinned until they complete
         self.store.reset()
         return frozenset(flush)
 

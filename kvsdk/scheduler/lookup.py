@@ -1,0 +1,107 @@
+"""Lookups: the tokens past the engine's own that a request can load now (the
+planner's hit, extended by the prompt's tail), and the lookup metrics."""
+
+from __future__ import annotations
+
+import time
+
+from kvsdk.metrics import Metrics
+from kvsdk.planner import BeingLoaded, LookupPlanner, PlanRequest
+from kvsdk.scheduler.request import RequestState
+from kvsdk.scheduler.tail import tail_lookup
+from kvsdk.store.tiered import TieredStore
+from kvsdk.types import ReqId
+
+
+class Lookups:
+    def __init__(
+        self,
+        planner: LookupPlanner,
+        store: TieredStore,
+        metrics: Metrics,
+        *,
+        min_chunk_tokens: int,
+        max_load_tokens: int | None,
+    ) -> None:
+        self.planner = planner
+        self.store = store
+        self.metrics = metrics
+        self.min_chunk_tokens = min_chunk_tokens
+        self.max_load_tokens = max_load_tokens
+        self._sync_delay = metrics.histogram("kvsdk_lookup_delay_seconds", kind="sync")
+        self._sync_delays: list[float] = []
+        self._hit_tokens = 0
+        """Planner times and promised tokens not yet in the metrics (flushed once per step)."""
+
+    def hit(
+        self,
+        req_id: ReqId,
+        r: RequestState,
+        max_num_new_tokens: int | None,
+        being_loaded: BeingLoaded,
+    ) -> int | None:
+        """Tokens of ``r`` (its keys derived) beyond ``r.num_computed_local``
+        that can be loaded; None: ask again."""
+        computed = r.num_computed_local
+        start = time.perf_counter()
+        plan = self.planner.plan(
+            PlanRequest(
+                req_id=req_id,
+                num_tokens=r.num_tokens,
+                num_prompt_tokens=r.num_prompt_tokens,
+                num_computed_tokens=computed,
+                group_keys=r.keys,
+                max_load_tokens=self.max_load_tokens,
+            ),
+            self.store.lookup,
+            max_num_new_tokens=max_num_new_tokens,
+            being_loaded=being_loaded,
+            lookup_run=self.store.lookup_run,
+        )
+        hit = (
+            None
+            if plan is None
+            else self._with_tail(r, computed, plan.num_hit_tokens, being_loaded)
+        )
+        now = time.perf_counter()
+        self._sync_delays.append(now - start)
+        if hit is None:
+            if r.deferred_since is None:
+                r.deferred_since = start
+            return None
+        self.end_deferral(r, now)
+        self._hit_tokens += hit
+        return hit
+
+    def _with_tail(
+        self, r: RequestState, computed: int, hit: int, being_loaded: BeingLoaded
+    ) -> int | None:
+        """``hit`` extended by the prompt's tail (None: ask again)."""
+        t = r.tail
+        if t is None or not t.start <= computed + hit < t.end:
+            return hit
+        if len(r.keys[0]) * self.min_chunk_tokens > t.start:
+            return hit  # the request grew past its prompt: a whole chunk is named there now
+        if self.max_load_tokens is not None and t.end - computed > self.max_load_tokens:
+            return hit
+        served = tail_lookup(t, self.store.lookup, being_loaded)
+        return None if served is None else (t.end - computed if served else hit)
+
+    def end_deferral(self, r: RequestState, now: float | None = None) -> None:
+        """``r``'s lookups, if any was deferred, end: their delay until
+        ``now`` (default: the present) goes into the metrics."""
+        if r.deferred_since is not None:
+            if now is None:
+                now = time.perf_counter()
+            self.metrics.observe("kvsdk_lookup_delay_seconds", now - r.deferred_since, kind="async")
+            r.deferred_since = None
+
+    def flush_metrics(self) -> None:
+        """Put the planner times and promised tokens gathered since the last flush
+        into the metrics (once per step)."""
+        if self._hit_tokens:
+            self.metrics.inc("kvsdk_hit_tokens_total", self._hit_tokens)
+            self._hit_tokens = 0
+        if self._sync_delays:
+            self._sync_delay.observe_many(self._sync_delays)
+            self._sync_delays.clear()
