@@ -4,9 +4,10 @@ password kept out of any text."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from kvsdk import trust
 
@@ -45,9 +46,9 @@ class RedisOptions:
     backoff_max: float = 30.0
 
     def __post_init__(self) -> None:
-        scheme = urlsplit(self.url).scheme
-        if scheme not in ("redis", "rediss"):
-            raise ValueError(f"url: got {mask_url(self.url)!r}; expected redis:// or rediss://")
+        problem = url_problem(self.url)
+        if problem is not None:
+            raise ValueError(f"url: {problem}")
         if self.ttl_seconds is not None and self.ttl_seconds <= 0:
             raise ValueError(f"ttl_seconds: got {self.ttl_seconds}; expected a positive integer")
         for name in ("socket_timeout", "connect_timeout", "backoff_initial", "backoff_max"):
@@ -63,6 +64,49 @@ class RedisOptions:
         if self.password is not None:
             shown["password"] = "***"
         return "RedisOptions(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+
+_HOST_PORT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[^:\[\]@/?#]*)(?::(?P<port>[0-9]{1,5}))?")
+"""``host[:port]`` (an IPv6 host in brackets) after the user info, if any."""
+NOT_SHOWN = "not shown: it may hold a password"
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` is not a ``redis://`` or ``rediss://`` URL the tier takes,
+    in words that quote nothing of it but its scheme (a part that does not
+    parse may hold a password); None when it is one."""
+    scheme, colon, rest = url.partition(":")
+    scheme = scheme.lower()
+    if not colon or scheme not in ("redis", "rediss"):
+        return f"not a redis:// or rediss:// URL ({NOT_SHOWN})"
+    if not rest.startswith("//"):
+        return (
+            f"{scheme}: is not followed by // (the rest {NOT_SHOWN}); expected "
+            f"{scheme}://[user:password@]host[:port][/db]"
+        )
+    if any(c.isspace() or not c.isprintable() for c in rest):
+        return (
+            f"the part after {scheme}:// holds a space or a control character ({NOT_SHOWN}); "
+            "percent-encode it"
+        )
+    parts = urlsplit(url)
+    if "@" in rest[2 + len(parts.netloc) :]:
+        return (
+            f"the user name or password after {scheme}:// holds a '/', '?' or '#' "
+            f"({NOT_SHOWN}); percent-encode them: %2F, %3F, %23"
+        )
+    host = _HOST_PORT.fullmatch(parts.netloc.rpartition("@")[2])
+    if host is None or int(host.group("port") or 0) > 65535:
+        return (
+            f"what follows {scheme}:// is not [user:password@]host[:port] with a port number "
+            f"({NOT_SHOWN})"
+        )
+    if "password" in parse_qs(parts.query, keep_blank_values=True):
+        return (
+            "a password in the query string is not taken: put it in the user info "
+            f"({scheme}://user:password@host) or in the password option"
+        )
+    return None
 
 
 def effective_url(o: RedisOptions) -> str:
