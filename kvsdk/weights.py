@@ -71,10 +71,27 @@ def file_digest(path: Path) -> str:
         return _hash_file(path)
 
 
+def weight_files(root: Path) -> list[Path]:
+    """The weight files directly in directory ``root``, sorted by name."""
+    return sorted(p for p in root.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+
+
+def hub_snapshot(model: str, revision: str | None, cache_dir: str | None = None) -> Path | None:
+    """The local snapshot directory of hub model ``model`` (no network), or None."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(
+            snapshot_download(model, revision=revision, cache_dir=cache_dir, local_files_only=True)
+        )
+    except Exception:  # not cached, offline, not a hub id, no huggingface_hub
+        return None
+
+
 def weights_fingerprint(root: Path) -> str:
     """Digest over every weight file in directory ``root`` (name, size, contents)."""
     h = hashlib.blake2b(digest_size=16)
-    for f in sorted(p for p in root.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file()):
+    for f in weight_files(root):
         h.update(f.name.encode() + f.stat().st_size.to_bytes(8, "little"))
         h.update(bytes.fromhex(file_digest(f)))
     return h.hexdigest()

@@ -35,6 +35,7 @@ from kvsdk.config import ConfigError, KVSDKConfig
 from kvsdk.events import EventTracker
 from kvsdk.keys import GroupLayout, Namespace, chunk_keys, epoch_fingerprint
 from kvsdk.metrics import Metrics
+from kvsdk.plugins.sglang.identity import ModelIdentity
 from kvsdk.plugins.sglang.pages import HostPages, PagePool, page_key_bytes, tensor_bytes
 from kvsdk.store.chain import TierChain
 from kvsdk.store.factory import build_tiers
@@ -125,10 +126,15 @@ class MambaStates:
 
 
 def mamba_namespace(
-    storage_config: HiCacheStorageConfig, config: Any, host_pool: Any, page_tokens: int
+    storage_config: HiCacheStorageConfig,
+    config: KVSDKConfig,
+    identity: ModelIdentity,
+    host_pool: Any,
+    page_tokens: int,
 ) -> Namespace:
-    """Which Mamba states are interchangeable: model, state shapes and dtypes, TP
-    rank (states are TP-sharded, also beside MLA KV), PP stage, KV page size."""
+    """Which Mamba states are interchangeable: the model's identity (as the KV
+    pages'), state shapes and dtypes, TP rank (states are TP-sharded, also
+    beside MLA KV), PP stage, KV page size."""
     shapes = {
         "temporal": list(host_pool.temporal_state_shape),
         "conv": [list(c) for c in host_pool.conv_state_shapes],
@@ -137,7 +143,7 @@ def mamba_namespace(
     }
     dtype = f"{host_pool.temporal_dtype}/{host_pool.conv_dtype}"
     return Namespace(
-        model=config.model_id or storage_config.model_name or "unknown-model",
+        model=identity.model,
         dtype=dtype,
         groups=(
             GroupLayout(
@@ -152,6 +158,7 @@ def mamba_namespace(
             ("engine", "sglang"),
             ("pool", "mamba"),
             ("pp", f"{storage_config.pp_rank}/{storage_config.pp_size}"),
+            *identity.extra,
         ),
         secret=load_secret(config.secret_file),
     )

@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from kvsdk.backend import Backend
 from kvsdk.config import KVSDKConfig
 from kvsdk.keys import GroupLayout, Namespace
+from kvsdk.plugins.sglang.identity import ModelIdentity
 from kvsdk.store.chain import Payload, TierChain
 from kvsdk.trust import load_secret
 from kvsdk.types import ChunkKey
@@ -114,9 +115,15 @@ _GEOMETRY_ATTRS = ("layer_num", "head_num", "head_dim", "v_head_dim", "kv_lora_r
 
 
 def storage_namespace(
-    storage_config: HiCacheStorageConfig, config: KVSDKConfig, host_pool: Any, geom: PageGeometry
+    storage_config: HiCacheStorageConfig,
+    config: KVSDKConfig,
+    identity: ModelIdentity,
+    host_pool: Any,
+    geom: PageGeometry,
 ) -> Namespace:
-    """The namespace that decides which pages are interchangeable."""
+    """The namespace that decides which pages are interchangeable: the model's
+    identity (its weights, config, the settings that change what its KV means
+    and SGLang's page hash), the page layout and geometry, and the rank."""
     mla = bool(storage_config.is_mla_model)
     shape = ",".join(
         f"{a}={getattr(host_pool, a)}" for a in _GEOMETRY_ATTRS if hasattr(host_pool, a)
@@ -130,14 +137,14 @@ def storage_namespace(
     if dcp_size > 1:
         extra.append(("dcp", f"{storage_config.dcp_rank}/{dcp_size}"))
     return Namespace(
-        model=config.model_id or storage_config.model_name or "unknown-model",
+        model=identity.model,
         dtype=geom.dtype,
         groups=(GroupLayout(shape=(geom.page_bytes,), dtype="|u1", layout=layout),),
         tokens_per_chunk=geom.page_tokens,
         rank=0 if mla else int(storage_config.tp_rank),
         world_size=1 if mla else int(storage_config.tp_size),
         tenant_salt=config.tenant,
-        extra=tuple(extra),
+        extra=(*extra, *identity.extra),
         secret=load_secret(config.secret_file),
     )
 

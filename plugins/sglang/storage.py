@@ -17,10 +17,15 @@ metrics (tier 0 is SGLang's host pool).
 
 What SGLang asks, and what kvsdk does:
 
-- ``register_mem_pool_host`` (after construction): the host pool's page
-  geometry decides the namespace (model, dtype, layout, page size and page
-  regions, TP/PP rank and size; MLA is rank-replicated, so its namespace has
-  no TP rank and only the writer rank stores). The tiers are built then.
+- Construction: the model's identity is what its weights are (a fingerprint
+  of every weight file, the config digest and the settings that change what
+  its KV means; :mod:`kvsdk.plugins.sglang.identity`), never its served name;
+  weights kvsdk cannot locate are refused unless ``model_id`` names them.
+- ``register_mem_pool_host`` (after construction): the model's identity and
+  the host pool's page geometry decide the namespace (dtype, layout, page
+  size and page regions, TP/PP rank and size; MLA is rank-replicated, so its
+  namespace has no TP rank and only the writer rank stores). The tiers are
+  built then.
 - Page keys (SGLang's 64-hex SHA-256 chain) become kvsdk chunk keys,
   ``chunk_key(epoch_fp, bytes.fromhex(page_hash), 0)``, where ``epoch_fp`` is
   the namespace's key-derivation key until the first ``clear``.
@@ -80,6 +85,7 @@ from kvsdk.events import KVEvent
 from kvsdk.keys import Namespace, chunk_keys, epoch_fingerprint
 from kvsdk.planner import LookupPlanner, PlanRequest
 from kvsdk.plugins.sglang.config import CONFIG_ENV, config_source, load_storage_config
+from kvsdk.plugins.sglang.identity import model_identity
 from kvsdk.plugins.sglang.mamba import (
     MambaStates,
     each_side_transfer,
@@ -121,6 +127,13 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             raise ConfigError(
                 "tp_lcm_size: kvsdk does not split heads across heterogeneous TP sizes"
             )
+        # what the weights are, not what they are called (refused when not found)
+        self.identity = model_identity(storage_config, self.config)
+        log.info(
+            "kvsdk storage for SGLang: model %s (from %s)",
+            self.identity.model,
+            self.identity.source,
+        )
         # MLA KV is the same on every TP rank: one writer (SGLang's choice), all read
         self.is_writer = bool(
             getattr(
@@ -150,7 +163,9 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             mem_pool_host = anchor.host_pool
         pool = PagePool(mem_pool_host)
         geom = pool.geometry
-        namespace = storage_namespace(self.storage_config, self.config, mem_pool_host, geom)
+        namespace = storage_namespace(
+            self.storage_config, self.config, self.identity, mem_pool_host, geom
+        )
         self.mem_pool_host = mem_pool_host
         if self.chain is not None and namespace == self.namespace:
             self.pool = pool
@@ -354,7 +369,11 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
                 "hicache pool 'mamba': kvsdk needs SGLang's KV host pool registered first"
             )
         namespace = mamba_namespace(
-            self.storage_config, self.config, host_pool, self.pool.geometry.page_tokens
+            self.storage_config,
+            self.config,
+            self.identity,
+            host_pool,
+            self.pool.geometry.page_tokens,
         )
         if self._mamba is not None:
             self._mamba.close()
