@@ -254,16 +254,18 @@ class RedisBackend(Backend):
         return self._health.stats()
 
     @classmethod
-    def inventory(cls, options: Any) -> list[dict[str, Any]]:
-        """Entries and bytes per namespace (a SCAN of ``kvsdk:*``; STRLEN per key).
-        Connects as the tier does: TLS and AUTH options honoured in both modes."""
+    def inventory(cls, options: Any) -> redis_admin.Inventory:
+        """Entries and bytes per namespace (a SCAN of ``kvsdk:*``; STRLEN per key,
+        a batch at a time); keys under ``kvsdk:`` that are not kvsdk's entries
+        are skipped and counted (``foreign_entries``). Connects as the tier
+        does: TLS and AUTH options honoured in both modes."""
         return redis_admin.inventory(options)
 
     @classmethod
     def wipe(cls, options: Any, namespace: str | None = None) -> int:
-        """UNLINK every ``kvsdk:*`` key (or ``kvsdk:<namespace>:*``), one key per
-        command (a cluster node refuses cross-slot UNLINK). Connects as
-        ``inventory`` does."""
+        """UNLINK every ``kvsdk:*`` key (or ``kvsdk:<namespace>:*``, the namespace
+        matched literally), one key per command (a cluster node refuses
+        cross-slot UNLINK), a batch at a time. Connects as ``inventory`` does."""
         return redis_admin.wipe(options, namespace)
 
     def error_count(self) -> int:

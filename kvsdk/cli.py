@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -112,6 +113,8 @@ def _inspect(args: argparse.Namespace) -> int:
                 "medium": cls.medium.value,
                 "locality": cls.locality.value,
                 "namespaces": rows,
+                # entries that are not the tier's own (skipped), where it counts them
+                "foreign_entries": int(getattr(rows, "foreign_entries", 0)),
                 "error": error,
             }
         )
@@ -133,18 +136,31 @@ def _inspect(args: argparse.Namespace) -> int:
                 f"  namespace {row['namespace']}: {row['entries']} chunks, "
                 f"{row['bytes'] / 2**20:.1f} MiB {extra if extra else ''}".rstrip()
             )
+        if t["foreign_entries"]:
+            print(f"  {t['foreign_entries']} foreign entries skipped (not kvsdk chunks)")
     return 1 if failed else 0
+
+
+NAMESPACE_NAME = re.compile(r"[0-9a-f]{32}")
+"""A namespace's name in the tiers: its public fingerprint in lowercase hex."""
 
 
 def _clear(args: argparse.Namespace) -> int:
     """The full wipe of a config's shared tiers (an engine's reset never does it)."""
+    if args.namespace is not None and not NAMESPACE_NAME.fullmatch(args.namespace):
+        print(
+            f"{args.config}: --namespace {args.namespace!r} is not a namespace's name: "
+            "expected its 32 lowercase hex digits, as kvsdk inspect lists them",
+            file=sys.stderr,
+        )
+        return 2
     try:
         cfg = load_config(Path(args.config))
     except ConfigError as exc:
         print(f"{args.config}: {redact(str(exc))}", file=sys.stderr)
         return 2
     backends = plugins_manager.backends()
-    what = f"namespace {args.namespace}" if args.namespace else "every namespace"
+    what = "every namespace" if args.namespace is None else f"namespace {args.namespace}"
     if not args.yes:
         print(
             f"{args.config}: would delete {what} from every disk and Redis tier it names, "
