@@ -20,11 +20,15 @@ Contract with the tiered store (bytes in, bytes out; framing is ours):
   keys and unlinks them.
 
 Failures never raise out of ``exists``/``get``/``put``/``delete``: a lost
-connection, a timeout or a restarting server gives misses (``None`` /
-``False``), and opens a circuit breaker: the server is skipped for a backoff
-period (``backoff_initial`` doubling up to ``backoff_max``), then tried again;
-the first success closes it. In Cluster mode each node has its own breaker,
-so a dead node costs misses for its slots only. (Run the cluster with
+connection, a timeout, a restarting server or a reply the client cannot use
+gives misses (``None`` / ``False``), and opens a circuit breaker: the server
+is skipped for a backoff period (``backoff_initial`` doubling up to
+``backoff_max``), then tried again; the first success closes it. Each round
+trip has a deadline as a whole, ``connect_timeout + socket_timeout`` plus
+its bytes at 64 MiB/s (a server dripping its reply a byte at a time holds no
+thread longer): past it, the round trip is such a failure (``timeouts``).
+In Cluster mode each node has its own breaker, so a dead node costs misses
+for its slots only. (Run the cluster with
 ``cluster-require-full-coverage no`` so the other nodes keep serving.)
 
 Nothing queues: every call is synchronous and bounded by its batch, and the
@@ -47,11 +51,13 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from redis.exceptions import InvalidResponse
+
 from kvsdk.backend import Backend, BackendError, Buffer, TierContext
 from kvsdk.backends import redis_admin
-from kvsdk.backends.redis_health import OUTAGE, Health
+from kvsdk.backends.redis_health import Health
 from kvsdk.backends.redis_options import RedisOptions, mask_url
-from kvsdk.backends.redis_routing import SKIPPED, Router
+from kvsdk.backends.redis_routing import SKIPPED, RoundTripFailed, Router
 from kvsdk.chunk_format import (
     FP_BYTES,
     HEADER_SIZE,
@@ -108,12 +114,11 @@ class RedisBackend(Backend):
                     pipe.get(rkeys[i])
 
         if limit is not None:
-            replies = [
-                r if not isinstance(r, tuple) else r[1] if r[0] else None
-                for r in self._router.execute(rkeys, add, per_key=True, commands_per_key=2)
-            ]
+            pairs = self._router.execute(rkeys, add, per_key=True, commands_per_key=2,
+                                         valid=_exists_and_range, key_bytes=lambda _i: limit + 1)  # fmt: skip
+            replies = [r if not isinstance(r, tuple) else r[1] if r[0] else None for r in pairs]
         else:
-            replies = self._router.execute(rkeys, add, per_key=not standalone)
+            replies = self._router.execute(rkeys, add, per_key=not standalone, valid=_value)
         out: list[Buffer | None] = []
         bad: list[ChunkKey] = []
         hits = 0
@@ -169,7 +174,9 @@ class RedisBackend(Backend):
                 else:
                     pipe.exists(rkeys[i])  # (a reply per key; counted as not stored)
 
-        replies = self._router.execute(rkeys, add, per_key=True)
+        replies = self._router.execute(
+            rkeys, add, per_key=True, key_bytes=lambda i: len(frames[i]) if fits[i] else 0
+        )
         replies = [r if fits[i] else False for i, r in enumerate(replies)]
         ok = [r is True for r in replies]
         for r in replies:
@@ -201,14 +208,25 @@ class RedisBackend(Backend):
         return n
 
     def _scan(self, name: str, client: Any) -> Iterator[bytes]:
-        try:
-            yield from client.scan_iter(match=self._prefix + b"*", count=1000)
-        except OUTAGE as exc:
-            self._health.outage(name, client, exc)
-            reason = self._health.redact(str(exc))
-            raise BackendError(
-                f"redis tier {self._where}: {name} failed during SCAN: {reason}"
-            ) from None
+        """This namespace's keys on server ``name``, a SCAN page per round trip."""
+        cursor = 0
+        while True:
+
+            def page(cursor: int = cursor) -> tuple[int, list[bytes]]:
+                nxt, found = client.scan(cursor, match=self._prefix + b"*", count=1000)
+                if not isinstance(nxt, int) or not isinstance(found, list):
+                    raise InvalidResponse("SCAN answered with another shape than a page")
+                return nxt, [k for k in found if isinstance(k, bytes)]
+
+            try:
+                cursor, found = self._router.call(name, client, page)
+            except RoundTripFailed as exc:
+                raise BackendError(
+                    f"redis tier {self._where}: {name} failed during SCAN: {exc.reason}"
+                ) from None
+            yield from found
+            if cursor == 0:
+                return
 
     def clear(self) -> None:
         """Unlink every key of this namespace (all instances sharing it lose them)."""
@@ -218,22 +236,24 @@ class RedisBackend(Backend):
                 batch.append(rkey)
                 if len(batch) >= 1000:
                     self._unlink_on(name, client, batch)
-                    batch.clear()
+                    batch = []
             self._unlink_on(name, client, batch)
 
     def _unlink_on(self, name: str, client: Any, rkeys: list[bytes]) -> None:
         if not rkeys:
             return
-        pipe = client.pipeline(transaction=False)
-        for rkey in rkeys:  # one key per command: a cluster node refuses cross-slot UNLINK
-            pipe.unlink(rkey)
-        try:
+
+        def unlink() -> None:
+            pipe = client.pipeline(transaction=False)
+            for rkey in rkeys:  # one key per command: a cluster node refuses cross-slot UNLINK
+                pipe.unlink(rkey)
             pipe.execute(raise_on_error=False)
-        except OUTAGE as exc:
-            self._health.outage(name, client, exc)
-            reason = self._health.redact(str(exc))
+
+        try:
+            self._router.call(name, client, unlink)
+        except RoundTripFailed as exc:
             raise BackendError(
-                f"redis tier {self._where}: {name} failed during clear: {reason}"
+                f"redis tier {self._where}: {name} failed during clear: {exc.reason}"
             ) from None
 
     def iter_keys(self) -> Iterator[ChunkKey]:
@@ -285,6 +305,16 @@ class RedisBackend(Backend):
 
     def __repr__(self) -> str:
         return f"RedisBackend({self._where!r}, cluster={self.options.cluster})"
+
+
+def _exists_and_range(reply: Any) -> bool:
+    """An ``EXISTS`` and ``GETRANGE`` pair of replies, as a server gives them."""
+    return isinstance(reply, tuple) and isinstance(reply[0], int) and isinstance(reply[1], bytes)
+
+
+def _value(reply: Any) -> bool:
+    """A ``GET`` reply (or one value of ``MGET``)."""
+    return reply is None or isinstance(reply, bytes)
 
 
 @hookimpl

@@ -27,7 +27,7 @@ OUTAGE: tuple[type[BaseException], ...] = (
 """Errors that mean "the server (node) is not answering": open its breaker."""
 COUNTERS = (
     "hits", "misses", "corrupt", "unverifiable", "oversized", "puts", "put_failures", "deletes",
-    "skipped", "outages", "command_errors", "topology_refreshes", "errors",
+    "skipped", "outages", "timeouts", "command_errors", "topology_refreshes", "errors",
 )  # fmt: skip
 """The counters ``stats()`` reports, in its order."""
 
@@ -112,6 +112,23 @@ class Health:
             pause,
         )  # fmt: skip
 
+    def missed_deadline(
+        self, name: str, client: Any, seconds: float, threads: int, stalled: bool
+    ) -> str:
+        """A round trip to server ``name`` got no complete answer within
+        ``seconds`` (or was not made: all ``threads`` blocked past their
+        deadline): an outage, also counted as ``timeouts``. Returns what
+        happened, in words."""
+        self.count("timeouts")
+        reason = (
+            f"every one of the tier's {threads} threads is blocked past its deadline"
+            if stalled
+            else f"no complete answer within {seconds:.1f} s (connect_timeout + socket_timeout "
+            "+ the round trip's bytes at the slowest transfer allowed)"
+        )
+        self.outage(name, client, RedisTimeoutError(reason))
+        return reason
+
     def command_error(self, op: str, exc: Exception) -> None:
         """The server refused an ``op`` command (a reply that is an error)."""
         self.count("command_errors")
@@ -144,4 +161,6 @@ def what_failed(exc: BaseException) -> str:
     text = " ".join(str(c) for c in causes)
     if "SSL" in text or "certificate" in text:
         return "failed the TLS handshake (certificate, tls_ca_file, tls_verify)"
+    if not isinstance(exc, OUTAGE):
+        return "gave an answer this client cannot use (not a Redis server, or a broken one?)"
     return "is not answering"

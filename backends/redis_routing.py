@@ -1,24 +1,35 @@
 """Where the redis tier's commands go and how: the standalone client, or the
 Cluster client with keys grouped by the node that owns their slot (the slot
 map refreshed after a MOVED, ASK or TRYAGAIN reply), and pipelines of
-``max_batch`` keys per round trip behind each server's breaker."""
+``max_batch`` keys per round trip behind each server's breaker.
+
+Every round trip has a deadline as a whole (``socket_timeout`` bounds each
+read, not a reply a server drips a byte at a time): it runs on a thread of
+the tier's own (:class:`~kvsdk.backends.disk_reader.DeadlineReader`) and the
+caller waits at most ``connect_timeout + socket_timeout``, plus the time the
+bytes of the round trip take at :data:`MIN_BYTES_PER_S`. A round trip past
+its deadline, or failing in any way (a server that does not answer, a reply
+the client cannot parse), is a failure of its server: counted, its breaker
+opened and its sockets closed (which frees the thread still blocked in it),
+and its keys are misses."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import redis as redis_py
 from redis import connection as redis_connection
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.connection import BlockingConnectionPool
-from redis.exceptions import AskError, ClusterDownError, TryAgainError
+from redis.exceptions import AskError, ClusterDownError, InvalidResponse, TryAgainError
 from redis.retry import Retry
 
 from kvsdk.backend import BackendError
+from kvsdk.backends.disk_reader import STALLED, TIMED_OUT, DeadlineReader, Handoff
 from kvsdk.backends.redis_health import OUTAGE, Health
 from kvsdk.backends.redis_options import RedisOptions, connection_kwargs, effective_url
 
@@ -29,8 +40,24 @@ TOPOLOGY = (AskError, ClusterDownError, TryAgainError)  # AskError covers MovedE
 TOPOLOGY_REFRESH_S = 1.0
 """Seconds at least between two slot map refreshes."""
 
+MIN_BYTES_PER_S = 64 << 20
+"""The slowest transfer a round trip's deadline allows for its bytes (sent and
+at most received), on top of ``connect_timeout + socket_timeout``."""
+CALL_THREADS_MAX = 32
+"""Threads a tier runs its round trips on: ``max_connections``, at most this."""
+
 Route = tuple[str, Any, list[int]]  # (server name, client, positions in the batch)
 AddCommands = Callable[[Any, list[int]], None]
+_T = TypeVar("_T")
+
+
+class RoundTripFailed(Exception):
+    """A round trip failed or missed its deadline; already counted and reported
+    (its server's breaker opened). ``reason``: what happened, password kept out."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class Router:
@@ -53,11 +80,51 @@ class Router:
         """The standalone server's client (None in Cluster mode)."""
         self.cluster: RedisCluster | None = None
         """The Cluster client, once connected."""
+        self._calls = DeadlineReader(
+            min(options.max_connections, CALL_THREADS_MAX),
+            options.connect_timeout + options.socket_timeout,
+            name="kvsdk-redis",
+        )
         if not options.cluster:
             pool = BlockingConnectionPool.from_url(
                 url, retry=Retry(NoBackoff(), 0), timeout=options.connect_timeout, **self._kwargs
             )
             self.client = redis_py.Redis(connection_pool=pool)
+
+    def deadline(self, nbytes: int = 0) -> float:
+        """Seconds a round trip moving ``nbytes`` may take as a whole."""
+        o = self._options
+        return o.connect_timeout + o.socket_timeout + nbytes / MIN_BYTES_PER_S
+
+    def call(self, name: str, client: Any, fn: Callable[[], _T], nbytes: int = 0) -> _T:
+        """``fn()`` (one round trip to server ``name``) within its deadline.
+
+        Raises :class:`RoundTripFailed` when it fails in any way or misses its
+        deadline, after counting it, opening the server's breaker and closing
+        ``client``'s sockets (a thread still blocked in ``fn`` gets an error
+        and returns)."""
+        seconds = self.deadline(nbytes)
+        box: list[_T] = []
+
+        def run(handoff: Handoff) -> None:
+            if handoff.abandoned:
+                return  # queued past its deadline: not made at all
+            out = fn()
+            handoff.deliver(lambda _target: box.append(out))
+
+        try:
+            res = self._calls.run(run, timeout=seconds)
+        except Exception as exc:  # any failure: the server's (or its reply's), never raised
+            self._health.outage(name, client, exc)
+            raise RoundTripFailed(
+                f"{type(exc).__name__}: {self._health.redact(str(exc))}"
+            ) from None
+        if res is TIMED_OUT or res is STALLED or not box:
+            stalled = res is STALLED
+            raise RoundTripFailed(
+                self._health.missed_deadline(name, client, seconds, self._calls.workers, stalled)
+            )
+        return box[0]
 
     def cluster_client(self) -> RedisCluster | None:
         """The Cluster client, connecting it on first use; None while the
@@ -67,25 +134,24 @@ class Router:
         breaker = self._health.breaker("cluster")
         if not breaker.allow():
             return None
-        failure: BaseException | None = None
-        with self._connect_lock:  # (the outage is reported after releasing it)
+        with self._connect_lock:
             if self.cluster is None:
                 try:
-                    self.cluster = RedisCluster.from_url(
-                        self._url,
-                        require_full_coverage=False,
-                        retry=Retry(NoBackoff(), 0),
-                        connection_pool_class=BlockingConnectionPool,
-                        timeout=self._options.connect_timeout,
-                        **self._kwargs,
-                    )
-                except OUTAGE as exc:
-                    failure = exc
-        if failure is not None:
-            self._health.outage("cluster", None, failure)
-            return None
+                    self.cluster = self.call("cluster", None, self._connect_cluster)
+                except RoundTripFailed:
+                    return None
         breaker.succeeded()
         return self.cluster
+
+    def _connect_cluster(self) -> RedisCluster:
+        return RedisCluster.from_url(
+            self._url,
+            require_full_coverage=False,
+            retry=Retry(NoBackoff(), 0),
+            connection_pool_class=BlockingConnectionPool,
+            timeout=self._options.connect_timeout,
+            **self._kwargs,
+        )
 
     def routes(self, rkeys: Sequence[bytes]) -> list[Route]:
         """``rkeys`` grouped by server; a key whose slot no node covers is left out."""
@@ -118,24 +184,36 @@ class Router:
             self._last_refresh = now
         self._health.count("topology_refreshes")
         try:
-            rc.nodes_manager.initialize()
-        except OUTAGE as exc:
-            reason = self._health.redact(str(exc))
+            self.call("cluster", None, rc.nodes_manager.initialize)
+        except RoundTripFailed as exc:
             self._health.burst.warning(
-                "topology", "redis tier %s: topology refresh failed: %s", self._health.where, reason
-            )
+                "topology", "redis tier %s: topology refresh failed: %s", self._health.where,
+                exc.reason,
+            )  # fmt: skip
 
     def execute(
-        self, rkeys: Sequence[bytes], add: AddCommands, per_key: bool, commands_per_key: int = 1
+        self,
+        rkeys: Sequence[bytes],
+        add: AddCommands,
+        per_key: bool,
+        commands_per_key: int = 1,
+        *,
+        valid: Callable[[Any], bool] | None = None,
+        key_bytes: Callable[[int], int] | None = None,
     ) -> list[Any]:
-        """Pipelined commands for ``rkeys``, ``max_batch`` keys per round trip.
+        """Pipelined commands for ``rkeys``, ``max_batch`` keys per round trip,
+        each within its deadline (see the module's docstring).
 
         Returns one reply per key: the server's answer, an exception for a
-        command the server refused, or ``SKIPPED`` when its server is out.
-        ``add(pipe, positions)`` queues the commands; with ``per_key=False`` it
-        queues one multi-key command whose reply is a list. With
-        ``commands_per_key`` > 1 it queues that many per key, and each key's
-        reply is the tuple of their replies (an exception if one failed).
+        command the server refused, or ``SKIPPED`` when its server is out
+        (its breaker open, or this round trip failed). ``add(pipe, positions)``
+        queues the commands; with ``per_key=False`` it queues one multi-key
+        command whose reply is a list. With ``commands_per_key`` > 1 it queues
+        that many per key, and each key's reply is the tuple of their replies
+        (an exception if one failed). A reply (not an exception) that
+        ``valid`` refuses makes the round trip a failure of its server.
+        ``key_bytes(position)``: the bytes key ``position`` may move (sent and
+        received), for the deadline.
         """
         out: list[Any] = [SKIPPED] * len(rkeys)
         step = self._options.max_batch
@@ -145,23 +223,20 @@ class Router:
                 part = positions[start : start + step]
                 if not breaker.allow():
                     continue
-                try:
+                nbytes = sum(map(key_bytes, part)) if key_bytes is not None else 0
+
+                def round_trip(client: Any = client, part: list[int] = part) -> list[Any]:
                     pipe = client.pipeline(transaction=False)
                     add(pipe, part)
                     replies = pipe.execute(raise_on_error=False)
-                except OUTAGE as exc:
-                    self._health.outage(name, client, exc)
+                    return self._per_key(replies, len(part), per_key, commands_per_key, valid)
+
+                try:
+                    replies = self.call(name, client, round_trip, nbytes)
+                except RoundTripFailed:
                     continue
                 breaker.succeeded()
-                if not per_key:
-                    replies = replies[0]
-                    if isinstance(replies, Exception):
-                        replies = [replies] * len(part)
-                elif commands_per_key > 1:
-                    c = commands_per_key
-                    grouped = [tuple(replies[j : j + c]) for j in range(0, len(replies), c)]
-                    replies = [next((r for r in g if isinstance(r, Exception)), g) for g in grouped]
-                for i, reply in zip(part, replies):
+                for i, reply in zip(part, replies, strict=True):
                     if isinstance(reply, TOPOLOGY):
                         self._refresh_topology = True
                     out[i] = reply
@@ -169,6 +244,27 @@ class Router:
         if skipped:
             self._health.count("skipped", skipped)
         return out
+
+    @staticmethod
+    def _per_key(
+        replies: Any, n: int, per_key: bool, c: int, valid: Callable[[Any], bool] | None
+    ) -> list[Any]:
+        """A pipeline's ``replies`` as one per key (see :meth:`execute`); raises
+        ``InvalidResponse`` for replies of another shape than the commands'."""
+        if not isinstance(replies, list) or len(replies) != (1 if not per_key else n * c):
+            raise InvalidResponse("a pipeline answered with another number of replies")
+        if not per_key:
+            replies = replies[0]
+            if isinstance(replies, Exception):
+                return [replies] * n
+            if not isinstance(replies, list) or len(replies) != n:
+                raise InvalidResponse("a multi-key command answered with another number of values")
+        elif c > 1:
+            grouped = [tuple(replies[j : j + c]) for j in range(0, len(replies), c)]
+            replies = [next((r for r in g if isinstance(r, Exception)), g) for g in grouped]
+        if valid is not None and not all(isinstance(r, Exception) or valid(r) for r in replies):
+            raise InvalidResponse("a reply of another type than its command's")
+        return list(replies)
 
     def scan_clients(self) -> list[tuple[str, Any]]:
         """A client per server that holds keys (every primary in Cluster mode)."""
@@ -180,6 +276,7 @@ class Router:
         return [(n.name, rc.get_redis_connection(n)) for n in rc.get_primaries()]
 
     def close(self) -> None:
+        self._calls.close()
         if self.client is not None:
             self.client.close()
             self.client.connection_pool.disconnect()
