@@ -6,12 +6,17 @@ Layout: ``<path>/<namespace_hex>/<shard>/<key_hex>.kvc``, each file one
 Files are untrusted (see ``docs/security.md``). At start the tier refuses a
 ``path`` that is not this user's or that others can write to, and a
 namespace or shard directory that is a symlink, not this user's, or open to
-group or others. Every read opens with ``O_NOFOLLOW | O_NONBLOCK`` (a planted
-symlink fails to open, a FIFO opens without blocking), checks with ``fstat``
-that it is a regular file no larger than the largest frame this namespace
-writes, and only then reads: a FIFO, a symlink or a huge sparse file is a
-miss (counted as ``rejected`` and ``corrupt``, the entry removed) without a
-byte read. With a
+group or others. Every file is reached by its name relative to a descriptor
+of its directory, and every directory below ``path`` is opened ``O_NOFOLLOW |
+O_DIRECTORY`` relative to its parent's (:mod:`~kvsdk.backends.disk_dirs`): a
+symlink swapped in for the namespace or a shard directory while the tier runs
+is never followed (a miss, counted as ``rejected`` and ``corrupt``, the link
+removed; a write makes the directory again). Every read opens with
+``O_NOFOLLOW | O_NONBLOCK`` (a planted symlink fails to open, a FIFO opens
+without blocking), checks with ``fstat`` that it is a regular file no larger
+than the largest frame this namespace writes, and only then reads: a FIFO, a
+symlink or a huge sparse file is a miss (counted as ``rejected`` and
+``corrupt``, the entry removed) without a byte read. With a
 deployment secret (``TierContext.frame_key``) frames carry a MAC, and a frame
 without one is dropped as corrupt.
 
@@ -75,6 +80,7 @@ off by default, as it measured slower).
 
 Its parts, one module each: :mod:`~kvsdk.backends.disk_options` (the options),
 :mod:`~kvsdk.backends.disk_index` (the index, eviction and the two locks),
+:mod:`~kvsdk.backends.disk_dirs` (the directories, held open),
 :mod:`~kvsdk.backends.disk_scan` (the directories and the start-up scan),
 :mod:`~kvsdk.backends.disk_workers` (the reader and writer threads, each a
 :class:`~kvsdk.backends.disk_reader.DeadlineReader`),
@@ -97,6 +103,7 @@ from typing import Any
 
 from kvsdk.backend import Backend, TierContext
 from kvsdk.backends import disk_inventory
+from kvsdk.backends.disk_dirs import DirFds, dir_fd_limit
 from kvsdk.backends.disk_options import DiskOptions
 from kvsdk.backends.disk_reader import DeadlineReader
 from kvsdk.backends.disk_reads import (
@@ -149,8 +156,20 @@ class DiskBackend(DiskReads, DiskWrites, Backend):
         self._ns = context.namespace_fp
         self._mac = context.frame_key
         self._max_frame = HEADER_SIZE + context.chunk_bytes if context.chunk_bytes > 0 else None
-        self._root = os.path.join(os.path.abspath(options.path), context.namespace_fp.hex())
-        self._shard_width = len(f"{options.shards - 1:x}")
+        top = os.path.abspath(options.path)
+        self._root = os.path.join(top, context.namespace_fp.hex())
+        rejected = weakref.WeakMethod(self._dir_rejected)  # (the finalizer holds _dirs)
+
+        def on_unsafe(path: str, detail: str) -> None:
+            report = rejected()
+            if report is not None:
+                report(path, detail)
+
+        self._dirs = DirFds(top, context.namespace_fp.hex(), on_unsafe, dir_fd_limit())
+        weakref.finalize(self, self._dirs.close)
+        width = len(f"{options.shards - 1:x}")
+        n = options.shards if options.shards > 1 else 0
+        self._shard_names = [f"{i:0{width}x}" for i in range(n)]
         # the index and its two locks (kvsdk.backends.disk_index)
         self._lock = threading.Lock()
         self._fs_lock = threading.Lock()
@@ -187,7 +206,6 @@ class DiskBackend(DiskReads, DiskWrites, Backend):
         weakref.finalize(self, self._reader.close)  # a tier dropped without close()
         weakref.finalize(self, self._writer.close)
         self._tls = threading.local()
-        self._made_dirs = set()
         self._checked = False
         self._check_lock = threading.Lock()
         self._start()
@@ -231,6 +249,7 @@ class DiskBackend(DiskReads, DiskWrites, Backend):
     def close(self) -> None:
         self._reader.close()
         self._writer.close()
+        self._dirs.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -48,57 +48,49 @@ def byte_view(buf: Any) -> memoryview:
     return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
 
 
-def file_size(path: str) -> int | None:
-    """The size of the regular file ``path`` (None: absent, or a symlink, FIFO, ...)."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return st.st_size if stat.S_ISREG(st.st_mode) else None
-
-
-def check_top_dir(path: str) -> None:
-    """The tier's ``path``: a directory of this user's that nobody else can write to
-    (else another user could swap the namespace directory)."""
-    st = os.stat(path)
+def top_dir_problem(path: str, st: os.stat_result) -> str | None:
+    """Why the tier's ``path`` (described by ``st``) is not safe to use, or None:
+    it must be a directory of this user's that nobody else can write to (else
+    another user could swap the namespace directory)."""
     if not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"path: {path!r} is not a directory")
+        return f"path: {path!r} is not a directory"
     if st.st_uid != os.geteuid():
-        raise ValueError(
+        return (
             f"path: {path!r} belongs to uid {st.st_uid}; expected a directory of this user "
             f"(uid {os.geteuid()}), e.g. a new one kvsdk creates with mode 0700"
         )
     if st.st_mode & 0o022:
-        raise ValueError(
+        return (
             f"path: {path!r} has mode {stat.S_IMODE(st.st_mode):04o}, writable by group or "
             "others; expected a directory only this user can write to (chmod go-w)"
         )
+    return None
 
 
-def check_private_dir(path: str) -> None:
-    """A namespace or shard directory: not a symlink, this user's, mode 0700."""
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"path: {path!r} exists and is not a directory (or is a symlink)")
+def check_top_dir(path: str) -> os.stat_result:
+    """The tier's ``path`` checked (:func:`top_dir_problem`; ``ValueError``)."""
+    st = os.stat(path)
+    problem = top_dir_problem(path, st)
+    if problem is not None:
+        raise ValueError(problem)
+    return st
+
+
+def private_dir_problem(path: str, st: os.stat_result) -> str | None:
+    """Why a namespace or shard directory (opened without following a symlink,
+    described by ``st``) is not safe to use, or None: it must be this user's,
+    mode 0700."""
     if st.st_uid != os.geteuid():
-        raise ValueError(
+        return (
             f"path: {path!r} belongs to uid {st.st_uid}; expected this user's (uid "
             f"{os.geteuid()}): remove it or use another path"
         )
     if st.st_mode & 0o077:
-        raise ValueError(
+        return (
             f"path: {path!r} has mode {stat.S_IMODE(st.st_mode):04o}; expected no access "
             "for group and others (chmod 700)"
         )
-
-
-def same_file(path: str, st: os.stat_result) -> bool:
-    """``path`` still names the file ``st`` describes (not deleted or replaced)."""
-    try:
-        cur = os.lstat(path)
-    except OSError:
-        return False
-    return (cur.st_ino, cur.st_dev) == (st.st_ino, st.st_dev)
+    return None
 
 
 def flat_parts(parts: Sequence[Any]) -> list[memoryview]:

@@ -9,15 +9,22 @@ change to a chunk's final path with the index update that goes with it
 (publish, unlink), taken only on the tier's own worker threads, always before
 ``_lock``. ``_seq`` is odd while such a change is in progress and moves on
 with each: a look at the file system (exists, a read) applies what it saw to
-the index only if ``_seq`` did not move meanwhile."""
+the index only if ``_seq`` did not move meanwhile.
+
+Every file is reached by its name relative to a descriptor of its directory
+(:mod:`~kvsdk.backends.disk_dirs`, one :class:`~kvsdk.backends.disk_dirs.DirWalk`
+per step of work), never by a path: a symlink swapped in for a directory of
+the tier is never followed."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import threading
 from collections.abc import Iterator, Sequence
 
+from kvsdk.backends.disk_dirs import DirFds, DirWalk
 from kvsdk.backends.disk_files import SUFFIX
 from kvsdk.backends.disk_options import DiskOptions
 from kvsdk.burst_log import BurstLog
@@ -38,8 +45,11 @@ class DiskIndex:
     _max_frame: int | None
     """The largest frame this namespace writes (None: no limit known)."""
     _root: str
-    """This namespace's directory."""
-    _shard_width: int
+    """This namespace's directory (for messages: files are reached through ``_dirs``)."""
+    _dirs: DirFds
+    """The open directories every file is reached through."""
+    _shard_names: list[str]
+    """Each shard directory's name, by number (none with one shard)."""
     _burst: BurstLog
     _lock: threading.Lock
     _fs_lock: threading.Lock
@@ -53,16 +63,35 @@ class DiskIndex:
     _policy: EvictionPolicy
     _counters: dict[str, int]
 
-    # -- paths -------------------------------------------------------------------------
-    def _shard_dir(self, key_hex: str) -> str:
-        if self.options.shards == 1:
-            return self._root
-        shard = int(key_hex[:8], 16) % self.options.shards
-        return os.path.join(self._root, f"{shard:0{self._shard_width}x}")
+    # -- where a key's file is ---------------------------------------------------------
+    def _where(self, key: ChunkKey) -> tuple[str | None, str]:
+        """The shard directory of ``key``'s file (None: the namespace directory
+        itself, with one shard) and the file's name in it."""
+        name = key.hex() + SUFFIX
+        if not self._shard_names:
+            return None, name
+        return self._shard_names[int.from_bytes(key[:4], "big") % len(self._shard_names)], name
 
     def _path(self, key: ChunkKey) -> str:
-        key_hex = key.hex()
-        return os.path.join(self._shard_dir(key_hex), key_hex + SUFFIX)
+        """``key``'s file as a path, for messages (never opened by it)."""
+        shard, name = self._where(key)
+        return os.path.join(self._dirs.path(shard), name)
+
+    def _look(self, walk: DirWalk, key: ChunkKey) -> int | None:
+        """The size of ``key``'s file if it is a regular file (None: absent, or a
+        symlink, FIFO, ..., or its directory is not one to use)."""
+        shard, name = self._where(key)
+        try:
+            st = walk.at(shard, lambda fd: os.lstat(name, dir_fd=fd))
+        except OSError:
+            return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+    def _dir_rejected(self, path: str, detail: str) -> None:
+        """Something other than a directory of this tier's where one belongs
+        (:mod:`~kvsdk.backends.disk_dirs`): counted like a planted chunk file."""
+        self._count("rejected", "corrupt")
+        self._burst.warning("rejected_dir", "disk tier: %s: %s", path, detail)
 
     # -- index (call with the lock held) --------------------------------------------------
     def _add_locked(self, key: ChunkKey, size: int) -> None:
@@ -83,9 +112,9 @@ class DiskIndex:
         self._policy.remove(key)
         return True
 
-    def _evict_locked(self, incoming: int) -> list[str]:
+    def _evict_locked(self, incoming: int) -> list[ChunkKey]:
         """Choose and forget entries until ``incoming`` more bytes fit; returns
-        their paths, which the caller unlinks before it leaves
+        their keys, whose files the caller unlinks before it leaves
         :meth:`_final_paths` (so another thread never sees an index entry without
         its file, or a file it could re-index by mistake)."""
         excess = self._used + self._reserved + incoming - self.options.capacity
@@ -101,7 +130,7 @@ class DiskIndex:
             self._policy.evicted(key)
             self._used -= self._index.pop(key)
         self._counters["evictions"] += len(chosen)
-        return [self._path(key) for key in chosen]
+        return chosen
 
     @contextlib.contextmanager
     def _final_paths(self) -> Iterator[None]:
@@ -116,10 +145,23 @@ class DiskIndex:
                 with self._lock:
                     self._seq += 1
 
-    def _unlink_all(self, paths: Sequence[str]) -> None:
-        for path in paths:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+    def _unlink_all(self, keys: Sequence[ChunkKey], walk: DirWalk | None = None) -> None:
+        """Unlink the files of ``keys`` (in ``walk``, or in a walk of its own)."""
+        if walk is None:
+            with self._dirs.walk() as own:
+                self._unlink_all(keys, own)
+            return
+        for key in keys:
+            self._unlink(walk, key)
+
+    def _unlink(self, walk: DirWalk, key: ChunkKey) -> bool:
+        """Unlink ``key``'s file; True if it was there."""
+        shard, name = self._where(key)
+        try:
+            walk.at(shard, lambda fd: os.unlink(name, dir_fd=fd))
+        except OSError:
+            return False
+        return True
 
     # -- what a look at the file system found -------------------------------------------
     def _settle(self, key: ChunkKey, size: int | None, seq: int) -> bool:
@@ -135,7 +177,7 @@ class DiskIndex:
                 return False
             return key not in self._index
 
-    def _adopt(self, key: ChunkKey, size: int, seq: int) -> None:
+    def _adopt(self, walk: DirWalk, key: ChunkKey, size: int, seq: int) -> None:
         """Index an entry another process stored (found with ``_seq`` at ``seq``),
         evicting for it, unless a final path changed since. Skipped while another
         change holds ``_fs_lock``: a later look adopts it."""
@@ -148,22 +190,18 @@ class DiskIndex:
                 self._seq += 1
                 self._add_locked(key, size)
                 victims = self._evict_locked(0)
-            self._unlink_all(victims)
+            self._unlink_all(victims, walk)
             with self._lock:
                 self._seq += 1
         finally:
             self._fs_lock.release()
 
-    def _remove(self, key: ChunkKey, path: str) -> bool:
+    def _remove(self, walk: DirWalk, key: ChunkKey) -> bool:
         """Forget ``key`` and unlink its file (on a worker); True if either was there."""
         with self._final_paths():
             with self._lock:
                 known = self._forget_locked(key)
-            try:
-                os.unlink(path)
-                removed = True
-            except OSError:
-                removed = False
+            removed = self._unlink(walk, key)
         return known or removed
 
     # -- sizes and counters ---------------------------------------------------------------

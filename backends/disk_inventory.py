@@ -2,17 +2,22 @@
 lists (per namespace directory: chunk files, bytes, one header) and what
 ``kvsdk clear --yes`` removes. Both walk the directories on a thread of their
 own and give up past ``read_timeout`` (``TimeoutError`` naming the path), so a
-hung file system cannot hang the command."""
+hung file system cannot hang the command. Below ``path``, each namespace
+directory and each directory in it is opened without following a symlink,
+and every file is reached by its name in its directory's descriptor: a
+symlink where a directory belongs is neither walked nor counted, and nothing
+outside the tier is unlinked."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any, TypeVar
 
+from kvsdk.backends.disk_dirs import TOP_FLAGS, open_dir
 from kvsdk.backends.disk_files import ENTRY_RE, OPEN_FLAGS
 from kvsdk.backends.disk_reader import STALLED, TIMED_OUT, DeadlineReader
 from kvsdk.chunk_format import HEADER_SIZE, CorruptChunk, parse_header
@@ -36,7 +41,7 @@ def wipe(options: Any, namespace: str | None = None) -> int:
     root = os.path.abspath(options.path)
     with _deadline(options) as ask:
         names = [n for n in ask(partial(_namespace_dirs, root), root) if namespace in (None, n)]
-        return sum(ask(partial(_wipe_dir, os.path.join(root, n)), os.path.join(root, n))
+        return sum(ask(partial(_wipe_dir, root, n), os.path.join(root, n))
                    for n in names)  # fmt: skip
 
 
@@ -67,13 +72,43 @@ def _namespace_dirs(root: str) -> list[str]:
         return []
 
 
-def _wipe_dir(ns_dir: str) -> int:
+def _dirs_of(root: str, name: str) -> Iterator[int]:
+    """Descriptors of namespace directory ``name`` in ``root`` and of each
+    directory in it, each open only until the next is asked for; a symlink
+    (or anything but a directory) in either place is skipped, never followed."""
+    top = os.open(root, TOP_FLAGS)
+    try:
+        try:
+            ns = open_dir(name, top)
+        except OSError:
+            return
+        try:
+            yield ns
+            subs = [e.name for e in os.scandir(ns) if e.is_dir(follow_symlinks=False)]
+            for sub in subs:
+                try:
+                    fd = open_dir(sub, ns)
+                except OSError:
+                    continue
+                try:
+                    yield fd
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(ns)
+    finally:
+        os.close(top)
+
+
+def _wipe_dir(root: str, name: str) -> int:
+    """Unlink the chunk files of namespace directory ``name`` and of the
+    directories in it."""
     n = 0
-    for dirpath, _dirs, files in os.walk(ns_dir):
-        for name in files:
-            if ENTRY_RE.match(name):
+    for dfd in _dirs_of(root, name):
+        for e in os.scandir(dfd):
+            if ENTRY_RE.match(e.name) and not e.is_dir(follow_symlinks=False):
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(dirpath, name))
+                    os.unlink(e.name, dir_fd=dfd)
                     n += 1
     return n
 
@@ -82,34 +117,39 @@ def _inventory_row(root: str, name: str) -> dict[str, Any]:
     """``inventory``'s row for namespace directory ``name``: its regular files
     (temp files of writes in progress left out) and one header read from one."""
     entries = size = 0
-    sample: str | None = None
-    for dirpath, _dirs, files in os.walk(os.path.join(root, name)):
-        for fname in files:
-            if fname.startswith("."):
+    row: dict[str, Any] = {"namespace": name, "entries": 0, "bytes": 0}
+    sampled = False
+    for dfd in _dirs_of(root, name):
+        for e in os.scandir(dfd):
+            if e.name.startswith("."):
                 continue  # temp files of writes in progress
-            path = os.path.join(dirpath, fname)
             try:
-                st = os.lstat(path)
+                st = os.lstat(e.name, dir_fd=dfd)
             except OSError:
                 continue
             if not stat.S_ISREG(st.st_mode):
                 continue  # a symlink, FIFO, ...: not a chunk
             size += st.st_size
             entries += 1
-            sample = sample or path
-    row: dict[str, Any] = {"namespace": name, "entries": entries, "bytes": size}
-    if sample is not None:
-        try:
-            fd = os.open(sample, OPEN_FLAGS)
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise CorruptChunk("not a regular file")
-                h = parse_header(os.read(fd, HEADER_SIZE), st.st_size - HEADER_SIZE)
-            finally:
-                os.close(fd)
-            row["format_version"] = h.version
-            row["dtype"], row["shape"] = h.dtype, list(h.shape)
-        except (OSError, CorruptChunk) as exc:
-            row["sample_error"] = str(exc)
+            if not sampled:
+                sampled = True
+                row.update(_sample(dfd, e.name))
+    row.update(entries=entries, bytes=size)
     return row
+
+
+def _sample(dfd: int, name: str) -> dict[str, Any]:
+    """Format version, dtype and shape from the header of file ``name`` in
+    directory ``dfd`` (or why it could not be read)."""
+    try:
+        fd = os.open(name, OPEN_FLAGS, dir_fd=dfd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptChunk("not a regular file")
+            h = parse_header(os.read(fd, HEADER_SIZE), st.st_size - HEADER_SIZE)
+        finally:
+            os.close(fd)
+    except (OSError, CorruptChunk) as exc:
+        return {"sample_error": str(exc)}
+    return {"format_version": h.version, "dtype": h.dtype, "shape": list(h.shape)}

@@ -1,5 +1,7 @@
 """The disk tier's reads: ``exists``, ``get``, ``get_into`` and
-``get_into_parts``. Each file is opened without following a symlink, checked
+``get_into_parts``. Each file is opened without following a symlink (by its
+name in its directory's descriptor: no directory is reached through a
+symlink either), checked
 with ``fstat``, read and verified on a reader thread within ``read_timeout``;
 a payload is copied into a caller's buffers only while the caller still
 waits; what a read found is applied to the index (a file gone is forgotten,
@@ -19,7 +21,8 @@ from functools import partial
 from typing import Any
 
 from kvsdk.backend import Buffer
-from kvsdk.backends.disk_files import OPEN_FLAGS, copy_at, file_size, pread_full, read_whole
+from kvsdk.backends.disk_dirs import DirWalk, UnsafeDir
+from kvsdk.backends.disk_files import OPEN_FLAGS, copy_at, pread_full, read_whole
 from kvsdk.backends.disk_reader import STALLED, TIMED_OUT, Handoff
 from kvsdk.backends.disk_scan import DiskScan
 from kvsdk.backends.disk_workers import DiskWorkers
@@ -78,10 +81,9 @@ class DiskReads(DiskScan, DiskWorkers):
         looked at on a reader thread within ``read_timeout``: past it, or while
         every reader thread is blocked, every key is a miss."""
         keys = list(keys)
-        paths = [self._path(k) for k in keys]
         out: list[bool] = []
         for i in range(0, len(keys), LOOK_STEP):
-            step = partial(self._exists_task, keys[i : i + LOOK_STEP], paths[i : i + LOOK_STEP])
+            step = partial(self._exists_task, keys[i : i + LOOK_STEP])
             res = self._reader.run(step)
             if res is TIMED_OUT or res is STALLED:  # the rest: misses, not attempted
                 self._missed_deadline(res, "exists", self._reader)
@@ -90,23 +92,24 @@ class DiskReads(DiskScan, DiskWorkers):
             out += res
         return out
 
-    def _exists_task(self, keys: list[ChunkKey], paths: list[str], handoff: Handoff) -> list[bool]:
+    def _exists_task(self, keys: list[ChunkKey], handoff: Handoff) -> list[bool]:
         """On a reader thread: one ``lstat`` per key, applied to the index."""
         out: list[bool] = []
         if handoff.abandoned:
             return out
         self._ensure_checked()
-        for key, path in zip(keys, paths):
-            if handoff.abandoned:  # the caller gave up: the rest is not looked at
-                break
-            seq = self._seq
-            size = file_size(path)
-            if size is not None and not self._plausible_size(size):
-                size = None  # not a frame of this namespace: a miss when read
-            if self._settle(key, size, seq):
-                assert size is not None
-                self._adopt(key, size, seq)
-            out.append(size is not None)
+        with self._dirs.walk() as walk:
+            for key in keys:
+                if handoff.abandoned:  # the caller gave up: the rest is not looked at
+                    break
+                seq = self._seq
+                size = self._look(walk, key)
+                if size is not None and not self._plausible_size(size):
+                    size = None  # not a frame of this namespace: a miss when read
+                if self._settle(key, size, seq):
+                    assert size is not None
+                    self._adopt(walk, key, size, seq)
+                out.append(size is not None)
         return out
 
     def get(self, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
@@ -157,10 +160,11 @@ class DiskReads(DiskScan, DiskWorkers):
         """On a reader thread: read each ``(key, size of the caller's buffers or
         None)``, handing each outcome to the caller while it waits; stops when
         it gave up. Holds no view of the caller's buffers (only the handoff)."""
-        for j, (key, want) in enumerate(wants):
-            res = self._read_task(self._path(key), key, want, handoff, j)
-            if res.kind == "abandoned" or not handoff.deliver(partial(_deliver_read, res)):
-                return
+        with self._dirs.walk() as walk:
+            for j, (key, want) in enumerate(wants):
+                res = self._read_task(walk, key, want, handoff, j)
+                if res.kind == "abandoned" or not handoff.deliver(partial(_deliver_read, res)):
+                    return
 
     def _loaded(self, key: ChunkKey, outs: list[memoryview] | None, res: _Read) -> Any:
         """The caller's side of one read: counts and logs ``res``; the payload,
@@ -197,9 +201,9 @@ class DiskReads(DiskScan, DiskWorkers):
         return outs[0] if outs else memoryview(b"")
 
     def _read_task(
-        self, path: str, key: ChunkKey, want: int | None, handoff: Handoff, item: int
+        self, walk: DirWalk, key: ChunkKey, want: int | None, handoff: Handoff, item: int
     ) -> _Read:
-        """On a reader thread: read ``path`` (:meth:`_read_file`; the caller's
+        """On a reader thread: read ``key``'s file (:meth:`_read_file`; the caller's
         buffers are item ``item`` of the handoff's), then make the
         index agree with what was found (a file that is gone is forgotten, one
         another process stored is indexed, a bad one removed)."""
@@ -207,13 +211,13 @@ class DiskReads(DiskScan, DiskWorkers):
             return _Read("abandoned")
         self._ensure_checked()
         seq = self._seq
-        res = self._read_file(path, key, want, handoff, item)
+        res = self._read_file(walk, key, want, handoff, item)
         if res.kind == "absent" or res.kind == "open_error":
             self._settle(key, None, seq)
         elif res.kind == "rejected" or res.kind == "corrupt":
             # a symlink, FIFO or huge file, or a frame that fails verification: removed
             # (unlinking a symlink removes the link, not its target)
-            if self._remove(key, path) and res.kind == "corrupt":
+            if self._remove(walk, key) and res.kind == "corrupt":
                 self._count("deletes")
         elif res.kind == "ok":
             assert res.st is not None
@@ -223,18 +227,22 @@ class DiskReads(DiskScan, DiskWorkers):
                     self._policy.touch(key)
                     touched = True
             if not touched and self._settle(key, res.st.st_size, seq):
-                self._adopt(key, res.st.st_size, seq)  # stored by another process
+                self._adopt(walk, key, res.st.st_size, seq)  # stored by another process
         return res
 
     def _read_file(
-        self, path: str, key: ChunkKey, want: int | None, handoff: Handoff, item: int
+        self, walk: DirWalk, key: ChunkKey, want: int | None, handoff: Handoff, item: int
     ) -> _Read:
-        """On a reader thread: open, check, read and verify ``path``; with ``want``
-        (the caller's buffers' total size), copy a payload of that size into the
-        caller's buffers, only if the caller still waits (``handoff.deliver``).
-        Touches no index and takes no lock of the tier: it may block for good."""
+        """On a reader thread: open, check, read and verify ``key``'s file; with
+        ``want`` (the caller's buffers' total size), copy a payload of that size
+        into the caller's buffers, only if the caller still waits
+        (``handoff.deliver``). Touches no index and holds no lock of the tier over
+        a system call: it may block for good."""
+        shard, name = self._where(key)
         try:
-            fd = os.open(path, OPEN_FLAGS)
+            fd = walk.at(shard, lambda dfd: os.open(name, OPEN_FLAGS, dir_fd=dfd))
+        except UnsafeDir:
+            return _Read("absent")  # its directory is not one to use (counted where found)
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # a symlink where a frame belongs: never followed
                 return _Read("rejected", "a symlink")

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
 
-from kvsdk.backends.disk_files import ENTRY_RE, TMP_PREFIX, check_private_dir, check_top_dir
+from kvsdk.backends.disk_dirs import open_dir
+from kvsdk.backends.disk_files import ENTRY_RE, SUFFIX, TMP_PREFIX
 from kvsdk.backends.disk_index import DiskIndex
 from kvsdk.backends.disk_reader import STALLED, TIMED_OUT, DeadlineReader
 from kvsdk.types import ChunkKey
@@ -26,23 +27,10 @@ class DiskScan(DiskIndex):
     """The start-up part of the disk tier (a base of
     :class:`~kvsdk.backends.disk.DiskBackend`, which calls :meth:`_start`)."""
 
-    _made_dirs: set[str]
-    """Directories made or checked by this tier."""
     _checked: bool
     """The directories checked (or made); else retried first."""
     _check_lock: threading.Lock
     """(worker threads only)"""
-
-    def _makedirs(self, path: str) -> None:
-        """Create ``path`` (0700) or check the one there: a directory, not a
-        symlink, this user's, closed to group and others (``ValueError`` otherwise)."""
-        if path in self._made_dirs:
-            return
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            check_private_dir(path)
-        self._made_dirs.add(path)
 
     # -- start: directories and the scan, each step within read_timeout ----------------
     def _start(self) -> None:
@@ -63,7 +51,8 @@ class DiskScan(DiskIndex):
                 return
             found: list[tuple[float, ChunkKey, int]] = []
             for d in dirs:
-                part = self._at_start(boot, partial(self._scan_dir, d), "scanning " + d)
+                where = "scanning " + self._dirs.path(d)
+                part = self._at_start(boot, partial(self._scan_dir, d), where)
                 if not isinstance(part, list):
                     break  # no answer: index what was found so far
                 found += part
@@ -91,13 +80,10 @@ class DiskScan(DiskIndex):
         return res
 
     def _setup(self) -> None:
-        top = os.path.abspath(self.options.path)
+        """Make or check the tier's directories (``ValueError`` for one that is
+        not safe to use; one that cannot be made is counted and logged)."""
         try:
-            os.makedirs(top, mode=0o700, exist_ok=True)
-            check_top_dir(top)
-            self._makedirs(self._root)
-            for shard in range(self.options.shards if self.options.shards > 1 else 0):
-                self._makedirs(os.path.join(self._root, f"{shard:0{self._shard_width}x}"))
+            self._dirs.setup(self._shard_names)
         except OSError as exc:
             self._count("errors")
             self._burst.warning("mkdir", "disk tier: cannot create %s (%s); stores will fail",
@@ -113,41 +99,59 @@ class DiskScan(DiskIndex):
                 self._setup()
                 self._checked = True
 
-    def _list_dirs(self) -> list[str]:
-        dirs = [self._root]
-        try:
-            dirs += [e.path for e in os.scandir(self._root) if e.is_dir(follow_symlinks=False)]
-        except OSError:
-            return []
-        return dirs
+    def _list_dirs(self) -> list[str | None]:
+        """The directories that may hold chunk files: the namespace directory
+        (None) and each directory in it (a symlink there is not one)."""
+        with self._dirs.walk() as walk:
+            try:
+                fd = walk.checked_fd(None)
+                if fd is None:
+                    return []
+                return [None, *[e.name for e in os.scandir(fd) if e.is_dir(follow_symlinks=False)]]
+            except OSError:
+                return []
 
-    def _scan_dir(self, d: str) -> list[tuple[float, ChunkKey, int]]:
-        """The entries of directory ``d`` as (mtime, key, size); stale temp files
-        are removed, files written with another shard count moved to their place."""
+    def _scan_dir(self, name: str | None) -> list[tuple[float, ChunkKey, int]]:
+        """The entries of directory ``name`` (None: the namespace directory) as
+        (mtime, key, size); stale temp files are removed, files written with
+        another shard count moved to their place. The directory is opened
+        without following a symlink, and each entry reached through it."""
         found: list[tuple[float, ChunkKey, int]] = []
         now = time.time()
-        try:
-            entries = list(os.scandir(d))
-        except OSError:
-            return found
-        for e in entries:
+        with self._dirs.walk() as walk:
             try:
-                if e.name.startswith(TMP_PREFIX):
-                    if now - e.stat().st_mtime > STALE_TMP_SECONDS:
-                        os.unlink(e.path)
-                    continue
-                if not ENTRY_RE.match(e.name) or not e.is_file(follow_symlinks=False):
-                    continue
-                st = e.stat(follow_symlinks=False)
-                if not self._plausible_size(st.st_size):
-                    continue  # not a frame of this namespace: a miss when asked
-                key = bytes.fromhex(e.name[:32])
-                want = self._path(key)
-                if e.path != want:  # written with another shard count
-                    self._makedirs(os.path.dirname(want))
-                    with self._final_paths():
-                        os.replace(e.path, want)
-                found.append((st.st_mtime, key, st.st_size))
+                ns = walk.checked_fd(None)
+                if ns is None:
+                    return found
+                fd = ns if name is None else open_dir(name, ns)
             except OSError:
-                continue
+                return found  # gone, or swapped for a symlink: not followed
+            try:
+                try:
+                    entries = list(os.scandir(fd))
+                except OSError:
+                    return found
+                for e in entries:
+                    try:
+                        if e.name.startswith(TMP_PREFIX):
+                            if now - e.stat(follow_symlinks=False).st_mtime > STALE_TMP_SECONDS:
+                                os.unlink(e.name, dir_fd=fd)
+                            continue
+                        if not ENTRY_RE.match(e.name) or not e.is_file(follow_symlinks=False):
+                            continue
+                        st = e.stat(follow_symlinks=False)
+                        if not self._plausible_size(st.st_size):
+                            continue  # not a frame of this namespace: a miss when asked
+                        key = bytes.fromhex(e.name[: -len(SUFFIX)])
+                        want, _ = self._where(key)
+                        if want != name:  # written with another shard count
+                            to = walk.make(want)
+                            with self._final_paths():
+                                os.replace(e.name, e.name, src_dir_fd=fd, dst_dir_fd=to)
+                        found.append((st.st_mtime, key, st.st_size))
+                    except OSError:
+                        continue
+            finally:
+                if fd != ns:
+                    os.close(fd)
         return found

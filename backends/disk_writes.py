@@ -14,7 +14,8 @@ from functools import partial
 from typing import Any
 
 from kvsdk.backend import Buffer
-from kvsdk.backends.disk_files import ENTRY_RE, TMP_PREFIX, file_size, flat_parts, write_frame
+from kvsdk.backends.disk_dirs import DirWalk, open_dir
+from kvsdk.backends.disk_files import ENTRY_RE, TMP_PREFIX, flat_parts, write_frame
 from kvsdk.backends.disk_reader import STALLED, TIMED_OUT, Handoff
 from kvsdk.backends.disk_scan import DiskScan
 from kvsdk.backends.disk_workers import DiskWorkers
@@ -27,6 +28,8 @@ WRITE_STEP = 16
 """Writes per hand-off to a writer thread, each step within ``read_timeout`` (a
 long healthy batch is never dropped for its length; after a step past its
 deadline the rest of the batch is dropped at once)."""
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+"""How a temporary file is made: new, never through a symlink."""
 _ERRNO_STAT = {errno.ENOSPC: "enospc", errno.EACCES: "eacces", errno.EPERM: "eacces",
                errno.EROFS: "erofs", errno.EDQUOT: "enospc"}  # fmt: skip
 
@@ -93,26 +96,33 @@ class DiskWrites(DiskScan, DiskWorkers):
         bytes at a time, each piece checksummed or MAC'd on this thread right
         after it was written, while still in its cache; the header last), handing
         each outcome to the caller while it waits; stops when it gave up."""
-        for key, value in items:
-            if handoff.abandoned:  # past the deadline: the rest not attempted
-                return
-            self._ensure_checked()
-            shape: tuple[int, ...]
-            if isinstance(value, list):  # from put_parts: flat byte views
-                parts: list[memoryview] = value
-                nbytes = sum(p.nbytes for p in parts)
-                dtype, shape = "|u1", (nbytes,)  # as join() of the parts would be
-            else:
-                flat, dtype, shape = as_payload(value)
-                parts, nbytes = [flat], flat.nbytes
-            frame = HeaderAfterPayload(self._ns, key, nbytes, dtype, shape, mac_key=self._mac)
-            outcome = self._write_one(self._path(key), key, frame, parts, HEADER_SIZE + nbytes,
-                                      handoff)  # fmt: skip
-            if outcome == "abandoned" or not handoff.deliver(partial(_append, outcome)):
-                return
+        with self._dirs.walk() as walk:
+            for key, value in items:
+                if handoff.abandoned:  # past the deadline: the rest not attempted
+                    return
+                outcome = self._frame_and_write(walk, key, value, handoff)
+                if outcome == "abandoned" or not handoff.deliver(partial(_append, outcome)):
+                    return
+
+    def _frame_and_write(
+        self, walk: DirWalk, key: ChunkKey, value: Any, handoff: Handoff
+    ) -> str | OSError:
+        """Frame ``value`` (a payload, or flat byte views from ``put_parts``) and
+        write it as ``key``'s file (:meth:`_write_one`)."""
+        self._ensure_checked()
+        shape: tuple[int, ...]
+        if isinstance(value, list):  # from put_parts: flat byte views
+            parts: list[memoryview] = value
+            nbytes = sum(p.nbytes for p in parts)
+            dtype, shape = "|u1", (nbytes,)  # as join() of the parts would be
+        else:
+            flat, dtype, shape = as_payload(value)
+            parts, nbytes = [flat], flat.nbytes
+        frame = HeaderAfterPayload(self._ns, key, nbytes, dtype, shape, mac_key=self._mac)
+        return self._write_one(walk, key, frame, parts, HEADER_SIZE + nbytes, handoff)
 
     def _write_one(
-        self, path: str, key: ChunkKey, frame: HeaderAfterPayload, parts: list[memoryview],
+        self, walk: DirWalk, key: ChunkKey, frame: HeaderAfterPayload, parts: list[memoryview],
         size: int, handoff: Handoff,
     ) -> str | OSError:  # fmt: skip
         """Reserve room (or find the key stored), write a temporary file, then
@@ -120,8 +130,8 @@ class DiskWrites(DiskScan, DiskWorkers):
         outcome: stored, present, too_large, no_room, abandoned (the caller gave
         up before the rename), or the ``OSError`` that refused the write."""
         with self._final_paths():
-            present = file_size(path)  # ours or another process's
-            victims: list[str] = []
+            present = self._look(walk, key)  # ours or another process's
+            victims: list[ChunkKey] = []
             with self._lock:
                 if present is not None:
                     if key in self._index:
@@ -139,34 +149,30 @@ class DiskWrites(DiskScan, DiskWorkers):
                     else:
                         self._reserved += size
                         outcome = ""
-            self._unlink_all(victims)
+            self._unlink_all(victims, walk)
         if outcome:
             return outcome
         try:
-            return self._write_file(path, frame, parts, key, size, handoff)
+            return self._write_file(walk, frame, parts, key, size, handoff)
         except OSError as exc:
             with self._lock:
                 self._reserved -= size
             return exc
 
     def _write_file(
-        self, path: str, frame: HeaderAfterPayload, payload: list[memoryview], key: ChunkKey,
+        self, walk: DirWalk, frame: HeaderAfterPayload, payload: list[memoryview], key: ChunkKey,
         size: int, handoff: Handoff,
     ) -> str:  # fmt: skip
         """Write a temporary file, then publish it (rename), index it and end the
         reservation of ``size`` bytes in one step (on an error the caller ends
         the reservation). "abandoned" if the caller gave up before the rename:
-        the temporary file is removed, the reservation ended, nothing published."""
-        directory = os.path.dirname(path)
-        try:
-            self._makedirs(directory)
-        except ValueError as exc:  # someone else's directory where ours belongs
-            raise OSError(errno.EACCES, str(exc)) from None
-        tmp = os.path.join(
-            directory,
-            f"{TMP_PREFIX}{os.path.basename(path)}.{os.getpid()}.{next(self._tmp_names)}",
-        )
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        the temporary file is removed, the reservation ended, nothing published.
+        Both names are in the directory's descriptor (made if missing; someone
+        else's directory where ours belongs refuses the write, ``EACCES``)."""
+        shard, name = self._where(key)
+        dfd = walk.make(shard)
+        tmp = f"{TMP_PREFIX}{name}.{os.getpid()}.{next(self._tmp_names)}"
+        fd = os.open(tmp, _CREATE_FLAGS, 0o600, dir_fd=dfd)
         try:
             try:
                 write_frame(fd, frame, payload, WRITE_PIECE)
@@ -176,25 +182,21 @@ class DiskWrites(DiskScan, DiskWorkers):
                 os.close(fd)
             if handoff.abandoned:  # past its deadline: a dropped write
                 with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+                    os.unlink(tmp, dir_fd=dfd)
                 with self._lock:
                     self._reserved -= size
                 return "abandoned"
             with self._final_paths():
-                os.replace(tmp, path)
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
                 with self._lock:
                     self._reserved -= size
                     self._add_locked(key, size)
         except BaseException:
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=dfd)
             raise
         if self.options.fsync:
-            dfd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            os.fsync(dfd)
         return "stored"
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
@@ -202,8 +204,7 @@ class DiskWrites(DiskScan, DiskWorkers):
         (past it: 0, an error; the writer thread finishes when the OS returns)."""
         if not keys:
             return 0
-        paths = [self._path(k) for k in keys]
-        res = self._writer.run(partial(self._delete_task, list(keys), paths))
+        res = self._writer.run(partial(self._delete_task, list(keys)))
         if res is TIMED_OUT or res is STALLED:
             self._missed_deadline(res, "delete", self._writer)
             return 0
@@ -211,11 +212,12 @@ class DiskWrites(DiskScan, DiskWorkers):
         self._count_n("deletes", res)
         return res
 
-    def _delete_task(self, keys: list[ChunkKey], paths: list[str], handoff: Handoff) -> int:
+    def _delete_task(self, keys: list[ChunkKey], handoff: Handoff) -> int:
         if handoff.abandoned:
             return 0
         self._ensure_checked()
-        return sum(self._remove(key, path) for key, path in zip(keys, paths))
+        with self._dirs.walk() as walk:
+            return sum(self._remove(walk, key) for key in keys)
 
     def clear(self) -> None:
         """Drop every entry of this namespace, on a writer thread within
@@ -234,16 +236,38 @@ class DiskWrites(DiskScan, DiskWorkers):
         if handoff.abandoned:
             return
         self._ensure_checked()
-        with self._final_paths():
+        with self._final_paths(), self._dirs.walk() as walk:
             with self._lock:
                 for key in list(self._index):
                     self._forget_locked(key)
-            for d in self._list_dirs():
+            try:
+                ns = walk.checked_fd(None)
+                if ns is None:
+                    return  # no namespace directory: nothing of ours
+                subs = [e.name for e in os.scandir(ns) if e.is_dir(follow_symlinks=False)]
+            except OSError:
+                return  # (or one not to use)
+            _unlink_entries(ns)
+            for sub in subs:
                 try:
-                    names = [e.path for e in os.scandir(d) if ENTRY_RE.match(e.name)]
+                    fd = open_dir(sub, ns)  # a symlink swapped in meanwhile: not followed
                 except OSError:
                     continue
-                self._unlink_all(names)
+                try:
+                    _unlink_entries(fd)
+                finally:
+                    os.close(fd)
+
+
+def _unlink_entries(dfd: int) -> None:
+    """Unlink every entry named like a chunk file in directory ``dfd``."""
+    try:
+        names = [e.name for e in os.scandir(dfd) if ENTRY_RE.match(e.name)]
+    except OSError:
+        return
+    for name in names:
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=dfd)
 
 
 def _append(item: object, out: list[object]) -> None:
