@@ -8,18 +8,29 @@ batch, whatever the keyspace). A namespace is matched literally: the glob
 metacharacters of ``SCAN MATCH`` are escaped, and every key found is compared
 with the exact prefix. Keys under ``kvsdk:`` that are not kvsdk's entries
 (another type, a name not of the form ``kvsdk:<namespace hex>:<key hex>``)
-are skipped and counted (``Inventory.foreign_entries``)."""
+are skipped and counted (``Inventory.foreign_entries``).
+
+Every round trip (the connection, each SCAN page, each batch) has the tier's
+deadline as a whole, ``connect_timeout + socket_timeout``: past it the command
+gives up with a ``TimeoutError`` naming the server; a reply the client cannot
+use is an ``InvalidResponse``, never another exception."""
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 import redis as redis_py
 from redis.cluster import RedisCluster
+from redis.exceptions import InvalidResponse, RedisError
 
-from kvsdk.backends.redis_options import connection_kwargs, effective_url
+from kvsdk.backends.disk_reader import DeadlineReader
+from kvsdk.backends.redis_options import connection_kwargs, effective_url, mask_url, redact
+from kvsdk.backends.redis_routing import within
+
+_T = TypeVar("_T")
 
 PREFIX = b"kvsdk:"
 ENTRY = re.compile(rb"kvsdk:(?P<ns>[0-9a-f]{32}):(?:[0-9a-f]{2})+")
@@ -40,11 +51,10 @@ class Inventory(list[dict[str, Any]]):
 
 def inventory(options: Any) -> Inventory:
     """Entries and bytes per namespace (a SCAN of ``kvsdk:*``; STRLEN per key)."""
-    client = _connect(options)
     per_ns: dict[str, list[int]] = {}
     foreign = 0
-    try:
-        for batch in _batches(client.scan_iter(match=PREFIX + b"*", count=SCAN_COUNT)):
+    with _Session(options) as session:
+        for batch in _batches(session.keys(PREFIX + b"*")):
             entries: list[tuple[bytes, str]] = []
             for rkey in batch:
                 m = ENTRY.fullmatch(rkey)
@@ -54,10 +64,8 @@ def inventory(options: Any) -> Inventory:
                     entries.append((rkey, m.group("ns").decode()))
             if not entries:
                 continue
-            pipe = client.pipeline(transaction=False)
-            for rkey, _ns in entries:
-                pipe.strlen(rkey)
-            for (_rkey, ns), n in zip(entries, pipe.execute(raise_on_error=False), strict=True):
+            lengths = session.pipeline([("STRLEN", rkey) for rkey, _ns in entries])
+            for (_rkey, ns), n in zip(entries, lengths, strict=True):
                 if isinstance(n, Exception):
                     if not str(n).startswith("WRONGTYPE"):
                         raise n
@@ -66,8 +74,6 @@ def inventory(options: Any) -> Inventory:
                 row = per_ns.setdefault(ns, [0, 0])
                 row[0] += 1
                 row[1] += int(n)
-    finally:
-        client.close()
     out = Inventory(
         {"namespace": ns, "entries": e, "bytes": b} for ns, (e, b) in sorted(per_ns.items())
     )
@@ -80,18 +86,92 @@ def wipe(options: Any, namespace: str | None = None) -> int:
     namespace taken literally), one key per command (a cluster node refuses
     cross-slot UNLINK)."""
     prefix = PREFIX if namespace is None else PREFIX + namespace.encode() + b":"
-    client = _connect(options)
     n = 0
-    try:
-        found = client.scan_iter(match=_GLOB.sub(rb"\\\1", prefix) + b"*", count=SCAN_COUNT)
+    with _Session(options) as session:
+        found = session.keys(_GLOB.sub(rb"\\\1", prefix) + b"*")
         for batch in _batches(rkey for rkey in found if rkey.startswith(prefix)):
-            pipe = client.pipeline(transaction=False)
-            for rkey in batch:
-                pipe.unlink(rkey)
-            n += sum(int(r) for r in pipe.execute())
-    finally:
-        client.close()
+            n += sum(int(r) for r in session.pipeline([("UNLINK", rkey) for rkey in batch]))
     return n
+
+
+class _Session:
+    """A client of the tier's server(s) for one command, each round trip on a
+    thread of its own within ``connect_timeout + socket_timeout``."""
+
+    def __init__(self, options: Any) -> None:
+        self._options = options
+        self._seconds = float(options.connect_timeout + options.socket_timeout)
+        self._reader = DeadlineReader(1, self._seconds, name="kvsdk-redis-admin")
+        self.client: Any = None
+        try:
+            self.client = self._ask(lambda: _connect(options))
+        except BaseException:
+            self._reader.close()
+            raise
+
+    def __enter__(self) -> _Session:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        with contextlib.suppress(Exception):  # closing a dead connection
+            if self.client is not None:
+                self.client.close()
+        self._reader.close()
+
+    def _ask(self, fn: Callable[[], _T]) -> _T:
+        try:
+            box = within(self._reader, fn, self._seconds)
+        except RedisError:
+            raise
+        except Exception as exc:  # a reply the client library could not use
+            reason = redact(self._options, f"{type(exc).__name__}: {exc}")
+            raise InvalidResponse(
+                f"redis tier {mask_url(self._options.url)}: an answer this client cannot use "
+                f"({reason})"
+            ) from None
+        if not box:
+            with contextlib.suppress(Exception):  # frees the thread still blocked in it
+                if self.client is not None:
+                    self.client.close()
+            raise TimeoutError(
+                f"redis tier {mask_url(self._options.url)}: no complete answer within "
+                f"{self._seconds:.1f} s (connect_timeout + socket_timeout)"
+            )
+        return box[0]
+
+    def keys(self, match: bytes) -> Iterator[bytes]:
+        """The keys matching ``match`` on every server (every primary of a
+        Cluster), a SCAN page per round trip."""
+        client: Any = self.client  # (untyped upstream)
+        nodes = (
+            [client.get_redis_connection(n) for n in client.get_primaries()]
+            if self._options.cluster
+            else [client]
+        )
+        for node in nodes:
+            cursor = 0
+            while True:
+
+                def page(node: Any = node, cursor: int = cursor) -> tuple[int, list[bytes]]:
+                    nxt, found = node.scan(cursor, match=match, count=SCAN_COUNT)
+                    return int(nxt), list(found)
+
+                cursor, found = self._ask(page)
+                yield from found
+                if cursor == 0:
+                    break
+
+    def pipeline(self, commands: list[tuple[str, bytes]]) -> list[Any]:
+        """The replies to ``commands`` (name, key), pipelined in one round trip;
+        a command the server refused is its exception."""
+
+        def run() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for name, rkey in commands:
+                pipe.execute_command(name, rkey)
+            return list(pipe.execute(raise_on_error=False))
+
+        return self._ask(run)
 
 
 def _batches(keys: Iterable[bytes]) -> Iterator[list[bytes]]:

@@ -113,18 +113,16 @@ class Health:
         )  # fmt: skip
 
     def missed_deadline(
-        self, name: str, client: Any, seconds: float, threads: int, stalled: bool
+        self, name: str, client: Any, seconds: float, late: int, threads: int
     ) -> str:
         """A round trip to server ``name`` got no complete answer within
         ``seconds`` (or was not made: all ``threads`` blocked past their
-        deadline): an outage, also counted as ``timeouts``. Returns what
-        happened, in words."""
+        deadline, ``late`` of them are): an outage, also counted as
+        ``timeouts``. Returns what happened, in words."""
         self.count("timeouts")
         reason = (
-            f"every one of the tier's {threads} threads is blocked past its deadline"
-            if stalled
-            else f"no complete answer within {seconds:.1f} s (connect_timeout + socket_timeout "
-            "+ the round trip's bytes at the slowest transfer allowed)"
+            f"no complete answer within {seconds:.1f} s (connect_timeout + socket_timeout + "
+            f"its bytes at the slowest transfer allowed); {late} of {threads} threads blocked"
         )
         self.outage(name, client, RedisTimeoutError(reason))
         return reason

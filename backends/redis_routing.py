@@ -29,7 +29,7 @@ from redis.exceptions import AskError, ClusterDownError, InvalidResponse, TryAga
 from redis.retry import Retry
 
 from kvsdk.backend import BackendError
-from kvsdk.backends.disk_reader import STALLED, TIMED_OUT, DeadlineReader, Handoff
+from kvsdk.backends.disk_reader import DeadlineReader, Handoff
 from kvsdk.backends.redis_health import OUTAGE, Health
 from kvsdk.backends.redis_options import RedisOptions, connection_kwargs, effective_url
 
@@ -49,6 +49,22 @@ CALL_THREADS_MAX = 32
 Route = tuple[str, Any, list[int]]  # (server name, client, positions in the batch)
 AddCommands = Callable[[Any, list[int]], None]
 _T = TypeVar("_T")
+
+
+def within(reader: DeadlineReader, fn: Callable[[], _T], seconds: float) -> list[_T]:
+    """``fn()`` on one of ``reader``'s threads: ``[its result]``, or ``[]`` when
+    it missed its deadline of ``seconds`` (or was not made: every thread of
+    ``reader`` is blocked past its deadline). Raises what ``fn`` raised."""
+    box: list[_T] = []
+
+    def run(handoff: Handoff) -> None:
+        if handoff.abandoned:
+            return  # queued past its deadline: not made at all
+        out = fn()
+        handoff.deliver(lambda _target: box.append(out))
+
+    reader.run(run, timeout=seconds)
+    return box
 
 
 class RoundTripFailed(Exception):
@@ -104,25 +120,17 @@ class Router:
         ``client``'s sockets (a thread still blocked in ``fn`` gets an error
         and returns)."""
         seconds = self.deadline(nbytes)
-        box: list[_T] = []
-
-        def run(handoff: Handoff) -> None:
-            if handoff.abandoned:
-                return  # queued past its deadline: not made at all
-            out = fn()
-            handoff.deliver(lambda _target: box.append(out))
-
         try:
-            res = self._calls.run(run, timeout=seconds)
+            box = within(self._calls, fn, seconds)
         except Exception as exc:  # any failure: the server's (or its reply's), never raised
             self._health.outage(name, client, exc)
             raise RoundTripFailed(
                 f"{type(exc).__name__}: {self._health.redact(str(exc))}"
             ) from None
-        if res is TIMED_OUT or res is STALLED or not box:
-            stalled = res is STALLED
+        if not box:
+            late, workers = self._calls.late, self._calls.workers
             raise RoundTripFailed(
-                self._health.missed_deadline(name, client, seconds, self._calls.workers, stalled)
+                self._health.missed_deadline(name, client, seconds, late, workers)
             )
         return box[0]
 

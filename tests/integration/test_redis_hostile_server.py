@@ -16,6 +16,7 @@ from types import TracebackType
 from typing import Any, BinaryIO
 
 import pytest
+import redis
 
 from kvsdk.backend import BackendError, TierContext
 from kvsdk.backends.redis import RedisBackend, RedisOptions
@@ -177,3 +178,20 @@ def test_clear_of_a_server_answering_garbage_is_a_backend_error() -> None:
             list(b.iter_keys())
         assert not b.available()
         b.close()
+
+
+@pytest.mark.parametrize("admin", ["inventory", "wipe"])
+def test_inspect_and_clear_of_a_dripping_server_give_up_within_the_deadline(admin: str) -> None:
+    with FakeRedis() as server:
+        options = RedisOptions(url=server.url, **SLOW)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="no complete answer within"):
+            getattr(RedisBackend, admin)(options)
+        took = time.monotonic() - start
+        assert took < DEADLINE_S + 0.5, f"{admin} took {took:.1f} s"
+
+
+@pytest.mark.parametrize("admin", ["inventory", "wipe"])
+def test_inspect_and_clear_of_a_server_answering_garbage_raise_a_redis_error(admin: str) -> None:
+    with FakeRedis(hello=GARBAGE["integer"]) as server, pytest.raises(redis.RedisError):
+        getattr(RedisBackend, admin)(RedisOptions(url=server.url, **SLOW))
