@@ -52,6 +52,14 @@ def tier(root: Path, **kw: Any) -> DiskBackend:
     return DiskBackend(DiskOptions(path=str(root), shards=4, **kw), ctx)
 
 
+def _fd_path(fd: int) -> str:
+    """The path descriptor ``fd`` has open ("" if none)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
 class Hang:
     """The chosen ``os`` functions block, for paths containing one of
     :attr:`parts`, until :meth:`release`: an NFS server gone, then back.
@@ -70,13 +78,13 @@ class Hang:
     def _wrap(self, name: str, real: Callable[..., Any]) -> Callable[..., Any]:
         def hung(*args: Any, **kw: Any) -> Any:
             target = args[0] if args else kw.get("path", ".")
-            if name in self.FD_CALLS:
-                try:
-                    where = os.readlink(f"/proc/self/fd/{target}")
-                except OSError:
-                    where = ""
+            if name in self.FD_CALLS or isinstance(target, int):
+                where = _fd_path(target)
             else:
                 where = os.fsdecode(os.fspath(target)) if target is not None else "."
+                dir_fd = kw.get("dir_fd", kw.get("src_dir_fd"))
+                if dir_fd is not None:  # a name in a directory's descriptor
+                    where = os.path.join(_fd_path(dir_fd), where)
             if any(p in where for p in self.parts) and not self.gate.is_set():
                 with self._lock:
                     self.blocked += 1

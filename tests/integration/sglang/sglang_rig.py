@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +37,27 @@ TIMEOUT_S = 30.0
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 HOST_BUDGET_BYTES = 8 << 30
+TINY_MODEL_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                     "hidden_size": 32, "num_attention_heads": 2, "num_hidden_layers": 3}  # fmt: skip
+
+
+def tiny_model_dir(seed: int = 0) -> str:
+    """A small model directory (``config.json`` and seeded weights) for kvsdk to
+    fingerprint; the same seed gives the same weights in every process."""
+    root = Path(tempfile.gettempdir()) / f"kvsdk-sglang-test-model-{os.getuid()}-{seed}"
+    if not (root / "model.safetensors").is_file():
+        import torch
+        from safetensors.torch import save_file
+
+        tmp = Path(tempfile.mkdtemp(prefix=f"{root.name}.", dir=root.parent))
+        (tmp / "config.json").write_text(json.dumps(TINY_MODEL_CONFIG))
+        weights = torch.randn(32, 32, generator=torch.Generator().manual_seed(seed))
+        save_file({"weight": weights}, str(tmp / "model.safetensors"))
+        try:
+            tmp.rename(root)
+        except OSError:  # another process made it first
+            shutil.rmtree(tmp)
+    return str(root)
 
 
 def set_parallel(tp_rank: int = 0, tp_size: int = 1) -> None:
@@ -83,7 +106,7 @@ class Rig:
     device_tokens: int = 512
     dtype: str = "bfloat16"
     controller: str = "hybrid"
-    model_name: str = "tiny-test-model"
+    model_name: str = field(default_factory=tiny_model_dir)
     tp_group: Any = None
     file_dir: str | None = None
     ctrl: Any = field(init=False, default=None)

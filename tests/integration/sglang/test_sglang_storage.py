@@ -29,6 +29,7 @@ from sglang_rig import (
     kvsdk_extra_config,
     run_worker,
     start_workers,
+    tiny_model_dir,
     tokens_for,
 )
 
@@ -239,11 +240,11 @@ def test_base_hicache_controller(make_rig: Any, tmp_path: Path) -> None:
 
 
 def test_models_and_layouts_never_share_pages(make_rig: Any, tmp_path: Path) -> None:
-    a = kvsdk_rig(make_rig, tmp_path, model_name="org/model-a")
+    a = kvsdk_rig(make_rig, tmp_path, model_name=tiny_model_dir(1))
     tokens = tokens_for(2, a.page)
     assert a.backup(a.fill(2), tokens) == 2 * a.page
-    b = kvsdk_rig(make_rig, tmp_path, model_name="org/model-b")
-    c = kvsdk_rig(make_rig, tmp_path, model_name="org/model-a", layout="layer_first")
+    b = kvsdk_rig(make_rig, tmp_path, model_name=tiny_model_dir(2))
+    c = kvsdk_rig(make_rig, tmp_path, model_name=tiny_model_dir(1), layout="layer_first")
     assert a.prefetch(tokens, load=False)[0] == 2 * a.page
     assert b.prefetch(tokens, load=False)[0] == 0
     assert c.prefetch(tokens, load=False)[0] == 0
@@ -370,7 +371,7 @@ def storage_config(**kw: Any) -> HiCacheStorageConfig:
     base: dict[str, Any] = dict(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-        model_name="tiny-test-model",
+        model_name=tiny_model_dir(),
     )  # fmt: skip
     base.update(kw)
     return HiCacheStorageConfig(**base)
