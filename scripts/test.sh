@@ -12,7 +12,7 @@ echo "== ruff";  $V/ruff check kvsdk plugins backends tests benchmarks examples
 echo "== mypy";  $V/mypy
 # lint-imports puts its working directory first on sys.path; the root's kvsdk/
 # is the core alone, so it runs from tests/ against the installed link tree
-echo "== import rules"; (cd tests && ../$V/lint-imports --config ../pyproject.toml --no-cache)
+echo "== import rules"; (cd tests && ../$V/lint-imports ../pyproject.toml --no-cache)
 echo "== pytest"
 set +e
 log=$(mktemp)
