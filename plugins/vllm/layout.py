@@ -19,7 +19,7 @@ from kvsdk.plugins.vllm import engine_problem
 from kvsdk.slab import segment_name
 from kvsdk.trust import load_secret
 from kvsdk.types import GroupKind, KVGroupSpec, Locality
-from kvsdk.weights import weights_fingerprint
+from kvsdk.weights import hub_snapshot, weights_fingerprint
 
 log = logging.getLogger("vllm.kvsdk")  # shown by vLLM's own log handler
 
@@ -102,7 +102,7 @@ def _weights_fingerprint(model: str, revision: str | None = None) -> str:
     root = Path(model)
     if root.is_dir():
         return weights_fingerprint(root)
-    snapshot = _hub_snapshot(model, revision)
+    snapshot = hub_snapshot(model, revision)
     if snapshot is None:
         return f"rev={revision or 'unpinned'}"
     return f"commit={snapshot.name}:{weights_fingerprint(snapshot)}"
@@ -169,16 +169,6 @@ def meaning_of_kv(vllm_config: Any) -> tuple[tuple[str, str], ...]:
         ("hf_config", _hf_config_digest(model_cfg)),
         ("prefix_hash", str(getattr(cache_cfg, "prefix_caching_hash_algo", "sha256"))),
     )  # fmt: skip
-
-
-def _hub_snapshot(model: str, revision: str | None) -> Path | None:
-    """The local snapshot directory of a hub model (no network), or None."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model, revision=revision, local_files_only=True))
-    except Exception:  # not cached, offline, not a hub id
-        return None
 
 
 def _page_bytes_and_dtype(spec: Any) -> tuple[int, str]:
