@@ -17,6 +17,10 @@ import random
 import sys
 from typing import Any
 
+# The tests run Python with PYTHONSAFEPATH=1, which leaves a script's own directory
+# off sys.path; the sibling helper modules are imported from there.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 from scenarios import corrupt_host_tier, generate, reset
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

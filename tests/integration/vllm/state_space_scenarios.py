@@ -18,6 +18,10 @@ import sys
 import time
 from typing import Any
 
+# The tests run Python with PYTHONSAFEPATH=1, which leaves a script's own directory
+# off sys.path; the sibling helper modules are imported from there.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 from scenarios import corrupt_host_tier, generate, reset
 
 if sys.argv[1:2] == ["hybrid_tp2"]:

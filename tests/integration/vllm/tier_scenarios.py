@@ -52,6 +52,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+# The tests run Python with PYTHONSAFEPATH=1, which leaves a script's own directory
+# off sys.path; the sibling helper modules are imported from there.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 CHUNK_TOKENS = 32
