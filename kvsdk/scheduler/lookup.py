@@ -4,6 +4,7 @@ planner's hit, extended by the prompt's tail), and the lookup metrics."""
 from __future__ import annotations
 
 import time
+from functools import partial
 
 from kvsdk.metrics import Metrics
 from kvsdk.planner import BeingLoaded, LookupPlanner, PlanRequest
@@ -53,10 +54,10 @@ class Lookups:
                 group_keys=r.keys,
                 max_load_tokens=self.max_load_tokens,
             ),
-            self.store.lookup,
+            partial(self.store.lookup, tenant=r.tenant),
             max_num_new_tokens=max_num_new_tokens,
             being_loaded=being_loaded,
-            lookup_run=self.store.lookup_run,
+            lookup_run=partial(self.store.lookup_run, tenant=r.tenant),
         )
         hit = (
             None
@@ -84,7 +85,7 @@ class Lookups:
             return hit  # the request grew past its prompt: a whole chunk is named there now
         if self.max_load_tokens is not None and t.end - computed > self.max_load_tokens:
             return hit
-        served = tail_lookup(t, self.store.lookup, being_loaded)
+        served = tail_lookup(t, partial(self.store.lookup, tenant=r.tenant), being_loaded)
         return None if served is None else (t.end - computed if served else hit)
 
     def end_deferral(self, r: RequestState, now: float | None = None) -> None:

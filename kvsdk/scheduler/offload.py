@@ -123,8 +123,15 @@ class OffloadScheduler:
         An id the engine reuses while its finished request is still tracked
         (its final stores are next step, or stores are in flight) names a new
         request: the old one is retired under ``(req_id, n)`` and finishes as
-        it would have; nothing of it (hashes, keys, blocks) reaches the new one."""
+        it would have; nothing of it (hashes, keys, blocks) reaches the new one.
+        An id still live (the engine has not finished it) is refused with a
+        ValueError, and the live request is left as it was."""
         if req_id in self._requests:
+            if self.has_request(req_id):
+                raise ValueError(
+                    f"add_request: request id {req_id!r} is still live (the engine has not "
+                    "finished it); a live request's id cannot name a new request"
+                )
             self._retire(req_id)
         if block_hashes is None:
             if token_ids is None:
@@ -147,7 +154,6 @@ class OffloadScheduler:
     def _retire(self, req_id: ReqId) -> None:
         """File the finished request under ``req_id`` as ``(req_id, n)``."""
         r = self._requests.pop(req_id)
-        assert r.finished or r.engine_finished, f"add_request of live request {req_id!r}"
         self._retired += 1
         key: ReqKey = (req_id, self._retired)
         r.req_id = key

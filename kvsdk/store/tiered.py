@@ -139,6 +139,8 @@ class TieredStore:
         self._lookup_counts: OrderedDict[ChunkKey, int] = OrderedDict()
         self._remote: dict[ChunkKey, _Remote] = {}
         self._to_query: list[ChunkKey] = []
+        self._query_account: dict[ChunkKey, str] = {}
+        """The quota account a queried key's promotion is charged to (with ``tenant_quotas``)."""
         self._io: list[_IO] = []
         self._generation = 0
         self._slot_bytes = int(host.slab.shape[1])
@@ -158,7 +160,9 @@ class TieredStore:
         )
 
     # -- lookups -----------------------------------------------------------------------
-    def lookup(self, key: ChunkKey) -> LookupResult:
+    def lookup(self, key: ChunkKey, tenant: str = "") -> LookupResult:
+        """Where ``key`` is, for ``tenant``'s request: a key found in a slower tier
+        is promoted into host slots charged to ``tenant``'s quota account."""
         if self.min_lookups:
             self._count_lookup(key)
         if self.host.slot_of(key) is not None:
@@ -180,6 +184,8 @@ class TieredStore:
         ):
             self._remote[key] = _Remote(RemoteState.QUERYING, time.monotonic())
             self._to_query.append(key)
+            if self.tenant_quotas:
+                self._query_account[key] = self.quota_account(tenant)
             remote = self._remote[key]
         if remote.state is RemoteState.ABSENT:
             self._misses += 1
@@ -189,7 +195,9 @@ class TieredStore:
             return LookupResult.RETRY
         return LookupResult.HIT_PENDING
 
-    def lookup_run(self, keys: Sequence[ChunkKey], start: int, stop: int) -> tuple[int, int]:
+    def lookup_run(
+        self, keys: Sequence[ChunkKey], start: int, stop: int, tenant: str = ""
+    ) -> tuple[int, int]:
         """``lookup`` over ``keys[start:stop]`` until the first MISS:
         ``(present_end, hit_end)``, where ``keys[start:present_end]`` are all
         present (HIT, HIT_PENDING or RETRY) and ``keys[start:hit_end]`` all
@@ -203,7 +211,7 @@ class TieredStore:
         hit_end = -1
         i = start
         while i < stop:
-            r = self.lookup(keys[i])
+            r = self.lookup(keys[i], tenant)
             if r is LookupResult.MISS:
                 break
             if r is not LookupResult.HIT and hit_end < 0:
@@ -452,17 +460,25 @@ class TieredStore:
 
     def _apply_query(self, keys: list[ChunkKey], where: list[int] | None) -> None:
         now = time.monotonic()
-        by_tier: dict[int, list[ChunkKey]] = {}
+        by_tier: dict[tuple[int, str], list[ChunkKey]] = {}
+        accounts = self._query_account
         for i, key in enumerate(keys):
             t = where[i] if where else -1
+            account = accounts.pop(key, "") if accounts else ""
             if self.host.contains(key):
                 self._remote.pop(key, None)  # stored locally meanwhile
             elif t < 0:
                 self._remote[key] = _Remote(RemoteState.ABSENT, now)
             else:
-                by_tier.setdefault(t, []).append(key)
-        for t, tkeys in by_tier.items():
-            reserved = self.host.reserve(tkeys)
+                by_tier.setdefault((t, account), []).append(key)
+        for (t, account), tkeys in by_tier.items():
+            # the requesting tenant's account pays for the promoted entries, as for a store
+            limit = self.quota_slots(account) if self.tenant_quotas else None
+            if limit is not None and len(tkeys) > limit:  # the first ones its share holds
+                for key in tkeys[limit:]:
+                    self._remote[key] = _Remote(RemoteState.ABSENT, now)
+                tkeys = tkeys[:limit]
+            reserved = self.host.reserve(tkeys, owner=account, limit=limit)
             if reserved is None:
                 self.metrics.inc("kvsdk_allocation_failures_total")
                 for key in tkeys:
@@ -510,6 +526,7 @@ class TieredStore:
         busy = [io for io in self._io if io.kind in _HOLDS_SLOTS]
         self._remote.clear()
         self._to_query.clear()
+        self._query_account.clear()
         self._lookup_counts.clear()
         if self.second_sight is not None:
             self.second_sight.reset()

@@ -102,3 +102,41 @@ def test_an_id_reused_while_the_old_stores_are_in_flight_does_not_wait_for_them(
     assert s.has_request("r") and s.num_tracked_requests() == 1
     s.add_request("o", num_prompt_tokens=9, block_hashes=old)
     assert s.lookup("o", 0) == 8
+
+
+def refuse_a_live_id() -> None:
+    """A second add_request of a live id: a ValueError naming the id, and the live
+    request keeps its prompt (its lookups and stores go on as before)."""
+    import pytest
+
+    s = make()
+    live = chain(2, b"live")
+    s.add_request("r", num_prompt_tokens=8, block_hashes=live)
+    assert s.lookup("r", 0) == 0
+    with pytest.raises(ValueError, match=r"request id 'r' is still live"):
+        s.add_request("r", num_prompt_tokens=9, block_hashes=chain(2, b"other"))
+    assert s.has_request("r")
+    jobs = s.build_step(computed_after_step={"r": 8}, new_block_ids={"r": [[1, 2]]},
+                        replace_block_ids=["r"])  # fmt: skip
+    assert {keys for keys, _ in job_keys(s, jobs)} == {tuple(keys_of(s, live))}
+
+
+def test_an_id_reused_while_its_request_is_live_is_refused() -> None:
+    refuse_a_live_id()
+
+
+def test_an_id_reused_while_live_is_refused_under_python_O_too() -> None:
+    """``python -O`` strips asserts: the refusal is not one."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    code = (
+        f"import sys; sys.path.insert(0, {str(here)!r}); "
+        "from test_reused_request_id import refuse_a_live_id; refuse_a_live_id()"
+    )
+    res = subprocess.run(
+        [sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -156,3 +156,53 @@ def test_without_a_star_unlisted_salts_are_unlimited_but_share_one_account() -> 
     assert host.usage("*") == 15
     assert set(host._usage) == {"*"}
     assert s.quota_slots("salt3") is None  # type: ignore[attr-defined]
+
+
+def promote(store: object, tenant: str, keys: list[bytes]) -> list[LookupResult]:
+    """``tenant``'s requests look ``keys`` up until every answer is final (a HIT
+    once the promotion from the slower tier landed, else a MISS)."""
+    deadline = time.monotonic() + 20
+    while True:
+        found = [store.lookup(key, tenant) for key in keys]  # type: ignore[attr-defined]
+        final = (LookupResult.HIT, LookupResult.MISS)
+        if all(f in final for f in found) or time.monotonic() > deadline:
+            return found
+        pump(store)
+
+
+@pytest.mark.parametrize("capped", ["small", ""])
+def test_promotions_are_charged_to_the_requesting_tenant_within_its_quota(
+    tmp_path: Path, capped: str
+) -> None:
+    """Write-through, eviction and promotion across two tenants: the capped one
+    (4 of 16 host slots; also the unsalted tenant ``""``) brings back its own
+    chunks from disk after they were evicted from host RAM, and still holds at
+    most 4 slots; the other tenant keeps every one of its 8 chunks."""
+    cfg = load_config(
+        {
+            "tiers": [
+                {"backend": "cpu", "capacity": 16 * 64},
+                {"backend": "disk", "path": str(tmp_path), "capacity": 100 * 320},
+            ],
+            "tenant_quotas": {capped: 0.25, "other": 0.5},
+        }
+    )
+    s = build_store(cfg, NS, 64)
+    theirs = [k("other", i) for i in range(8)]
+    assert put(s, "other", theirs)  # the least recently used entries from here on
+    pump(s)
+    mine = [k("mine", i) for i in range(12)]
+    for i in range(0, 12, 2):  # written through to disk, evicting its own earlier chunks
+        assert put(s, capped, mine[i : i + 2])
+        pump(s)
+    host = s.host
+    assert host.usage(capped) == 4 and host.usage("other") == 8
+
+    found = promote(s, capped, mine[:8])  # 8 of its chunks, from disk
+    assert LookupResult.HIT in found  # promotions happened...
+    assert host.usage(capped) <= 4  # ...within its quota, charged to it and nobody else
+    assert set(host._owner.values()) == {capped, "other"}
+    assert host.usage("other") == 8
+    assert all(s.lookup(key, "other") is LookupResult.HIT for key in theirs)
+    assert s.metrics.counter("kvsdk_loaded_bytes_total", tier=1) > 0
+    s.shutdown()
