@@ -4,7 +4,9 @@ password kept out of any text."""
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -27,6 +29,11 @@ class RedisOptions:
     """AUTH (ACL) user; overrides one in the URL."""
     password: str | None = None
     """AUTH password (never logged); overrides one in the URL."""
+    password_file: str | None = None
+    """Read the AUTH password from this file (e.g. a mounted secret; one trailing
+    newline dropped); instead of ``password``."""
+    password_env: str | None = None
+    """Read the AUTH password from this environment variable; instead of ``password``."""
     tls: bool = False
     """Use TLS even with a ``redis://`` URL."""
     tls_ca_file: str | None = None
@@ -49,6 +56,16 @@ class RedisOptions:
         problem = url_problem(self.url)
         if problem is not None:
             raise ValueError(f"url: {problem}")
+        given = [n for n in PASSWORD_SOURCES if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(
+                f"{given[1]}: set together with {given[0]}; expected the password from one "
+                f"of {', '.join(PASSWORD_SOURCES)}"
+            )
+        if self.password_file is not None:
+            object.__setattr__(self, "password", read_password_file(self.password_file))
+        elif self.password_env is not None:
+            object.__setattr__(self, "password", read_password_env(self.password_env))
         if self.ttl_seconds is not None and self.ttl_seconds <= 0:
             raise ValueError(f"ttl_seconds: got {self.ttl_seconds}; expected a positive integer")
         for name in ("socket_timeout", "connect_timeout", "backoff_initial", "backoff_max"):
@@ -64,6 +81,52 @@ class RedisOptions:
         if self.password is not None:
             shown["password"] = "***"
         return "RedisOptions(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+
+PASSWORD_SOURCES = ("password", "password_file", "password_env")
+MAX_PASSWORD_FILE_BYTES = 64 << 10
+
+
+def read_password_file(path: str) -> str:
+    """The password in file ``path`` (one trailing newline dropped); a ValueError
+    naming the file, never its content, when it cannot be used."""
+    try:
+        with open(path, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ValueError(f"password_file: {path!r} is not a regular file")
+            data = f.read(MAX_PASSWORD_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(
+            f"password_file: cannot read {path!r} ({exc.strerror}); expected a file "
+            "holding the Redis password"
+        ) from None
+    if len(data) > MAX_PASSWORD_FILE_BYTES:
+        raise ValueError(f"password_file: {path!r} is over {MAX_PASSWORD_FILE_BYTES} bytes")
+    text = _utf8(data, path)
+    text = text[:-1] if text.endswith("\n") else text
+    text = text[:-1] if text.endswith("\r") else text
+    if not text:
+        raise ValueError(f"password_file: {path!r} is empty; expected the Redis password")
+    return text
+
+
+def _utf8(data: bytes, path: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"password_file: {path!r} is not UTF-8 text") from None
+
+
+def read_password_env(name: str) -> str:
+    """The password in environment variable ``name``; a ValueError naming the
+    variable when it is unset or empty."""
+    value = os.environ.get(name)
+    if not value:
+        raise ValueError(
+            f"password_env: the environment variable {name!r} is "
+            f"{'empty' if value == '' else 'not set'}; expected it to hold the Redis password"
+        )
+    return value
 
 
 _HOST_PORT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[^:\[\]@/?#]*)(?::(?P<port>[0-9]{1,5}))?")

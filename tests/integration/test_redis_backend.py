@@ -36,7 +36,7 @@ from kvsdk import plugins_manager
 from kvsdk.backend import TierContext
 from kvsdk.backends.redis import RedisBackend, RedisOptions
 from kvsdk.chunk_format import HEADER_SIZE, encode_chunk
-from kvsdk.config import load_config
+from kvsdk.config import ConfigError, load_config
 
 pytestmark = [pytest.mark.integration, needs_redis]
 
@@ -264,6 +264,49 @@ def test_password_auth_and_the_password_never_shows(
         shown = " ".join([repr(ok), repr(ok.options), repr(in_url), repr(in_url.options),
                           repr(wrong.options), caplog.text])  # fmt: skip
         assert "redis tier" in caplog.text and secret not in shown and "***" in shown
+    finally:
+        server.kill()
+
+
+def test_the_password_from_a_file_or_the_environment_and_never_shown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``password_file`` (a mounted secret, its trailing newline dropped) and
+    ``password_env`` authenticate like ``password``; a missing file, an unset
+    variable or two sources at once are one-sentence config errors (exit 2 from
+    ``kvsdk config check``) naming the key, never the password."""
+    from kvsdk.cli import main
+
+    secret = "f1le-Pa55-w0rd"
+    server = RedisServer(tmp_path / "srv", password=secret).start()
+    try:
+        pw_file = tmp_path / "redis-password"
+        pw_file.write_text(secret + "\n")
+        monkeypatch.setenv("KVSDK_TEST_REDIS_PASSWORD", secret)
+        for source in ({"password_file": str(pw_file)},
+                       {"password_env": "KVSDK_TEST_REDIS_PASSWORD"}):  # fmt: skip
+            cfg = load_config({"tiers": [{"backend": "cpu", "capacity": "1MiB"},
+                                         {"backend": "redis", "url": server.url, **source}]})  # fmt: skip
+            b = RedisBackend(cfg.tiers[1].options, ctx())
+            assert b.put([(key(1), payload(1))]) == [True] and b.get([key(1)])[0] == payload(1)
+            assert secret not in repr(cfg.tiers[1].options) and secret not in repr(b)
+
+        bad = {
+            "password_env: the environment variable 'KVSDK_NO_SUCH_VAR' is not set": {
+                "password_env": "KVSDK_NO_SUCH_VAR"},
+            "password_file: cannot read": {"password_file": str(tmp_path / "absent")},
+            "password_file: set together with password": {
+                "password": secret, "password_file": str(pw_file)},
+        }  # fmt: skip
+        for message, source in bad.items():
+            tier = {"backend": "redis", "url": server.url, **source}
+            with pytest.raises(ConfigError, match=r"tiers\[1\]: " + message):
+                load_config({"tiers": [{"backend": "cpu", "capacity": "1MiB"}, tier]})
+            path = tmp_path / "bad.yaml"
+            path.write_text(json.dumps({"tiers": [{"backend": "cpu", "capacity": "1MiB"}, tier]}))
+            assert main(["config", "check", str(path)]) == 2
+            out = capsys.readouterr()
+            assert message in out.err + out.out and secret not in out.err + out.out
     finally:
         server.kill()
 
