@@ -94,18 +94,22 @@ def load_engine_config(extra: dict[str, Any], *, announce: bool = False) -> KVSD
 _PAGE = 4096
 
 
-def _weights_fingerprint(model: str, revision: str | None = None) -> str:
-    """Identity of the weights: every byte of every weight file
-    (:func:`kvsdk.weights.weights_fingerprint`) of a local directory, or of a
-    hub id's local snapshot, named by its commit (never an empty string: an
-    unresolved hub id is ``rev=<revision or 'unpinned'>``)."""
+def model_identity(model: str, revision: str | None = None, model_id: str | None = None) -> str:
+    """The model as the namespace names it: ``model_id`` when the config sets one,
+    else what the weights are, not where they lie: every byte of every weight
+    file (:func:`kvsdk.weights.weights_fingerprint`) of a local directory or of
+    a hub id's local snapshot. Same weights at two paths (two machines) share
+    chunks; other weights at one path never do. A hub id with no local snapshot
+    is named ``<id>@rev=<revision or 'unpinned'>``."""
+    if model_id:
+        return model_id
     root = Path(model)
-    if root.is_dir():
-        return weights_fingerprint(root)
-    snapshot = hub_snapshot(model, revision)
-    if snapshot is None:
-        return f"rev={revision or 'unpinned'}"
-    return f"commit={snapshot.name}:{weights_fingerprint(snapshot)}"
+    if not root.is_dir():
+        snapshot = hub_snapshot(model, revision)
+        if snapshot is None:
+            return f"{model}@rev={revision or 'unpinned'}"
+        root = snapshot
+    return f"weights:{weights_fingerprint(root)}"
 
 
 COLLISION_RESISTANT_HASHES = frozenset({"sha256", "sha256_cbor"})
@@ -132,12 +136,27 @@ def check_prefix_hash(algorithm: str, cfg: KVSDKConfig) -> None:
         )
 
 
+def _without_paths(value: Any) -> Any:
+    """A config mapping without the keys that say where it was read from
+    (``_name_or_path``, at any depth): the same config at two paths is one."""
+    if isinstance(value, dict):
+        return {k: _without_paths(v) for k, v in value.items() if k not in _PATH_KEYS}
+    if isinstance(value, list):
+        return [_without_paths(v) for v in value]
+    return value
+
+
+_PATH_KEYS = frozenset({"_name_or_path", "_commit_hash"})
+
+
 def _hf_config_digest(model_cfg: Any) -> str:
     """A digest of the model's configuration as vLLM runs it: ``config.json`` with
-    ``hf_overrides`` applied (RoPE scaling and the like change what KV means)."""
+    ``hf_overrides`` applied (RoPE scaling and the like change what KV means),
+    without where it was read from."""
     hf = getattr(model_cfg, "hf_config", None)
     try:
-        text = hf.to_json_string(use_diff=False) if hf is not None else ""
+        as_run = json.loads(hf.to_json_string(use_diff=False)) if hf is not None else {}
+        text = json.dumps(_without_paths(as_run), sort_keys=True, default=str)
     except Exception:  # (an unusual config class)
         text = repr(hf)
     overrides = getattr(model_cfg, "hf_overrides", None)
@@ -314,10 +333,8 @@ def engine_layout(
         region_bytes=region_bytes,
     )
     check_prefix_hash(str(vllm_config.cache_config.prefix_caching_hash_algo), cfg)
-    weights = _weights_fingerprint(model_cfg.model, getattr(model_cfg, "revision", None))
-    model_id = cfg.model_id or f"{model_cfg.model}@{weights}"
     namespace = Namespace(
-        model=model_id,
+        model=model_identity(model_cfg.model, getattr(model_cfg, "revision", None), cfg.model_id),
         dtype=str(model_cfg.dtype),
         groups=tuple(layouts),
         tokens_per_chunk=groups[0].tokens_per_chunk,  # as resolved (unset: the block size)

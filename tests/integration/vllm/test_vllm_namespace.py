@@ -24,7 +24,12 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvsdk.config import ConfigError, load_config
-from kvsdk.plugins.vllm.layout import check_prefix_hash, engine_layout, meaning_of_kv
+from kvsdk.plugins.vllm.layout import (
+    check_prefix_hash,
+    engine_layout,
+    meaning_of_kv,
+    model_identity,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -81,6 +86,31 @@ def test_each_input_that_changes_the_meaning_of_kv_changes_the_namespace(
     for field, meaning in variants.items():
         changed = {k for k, v in dict(meaning).items() if v != base[k]}
         assert changed == {field}, (field, changed)
+
+
+def test_same_weights_at_two_paths_share_a_namespace_and_other_weights_at_one_path_never(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """Two machines holding one model at different paths share its chunks: the
+    model's identity is its weights' fingerprint and the config as run, never
+    the path (``config.json`` as vLLM reads it names its own path). Other
+    weights written where the first ones were share nothing."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    here, there = tmp_path / "here" / "m", tmp_path / "elsewhere" / "same-model"
+    shutil.copytree(model_dir, here)
+    save_file({"w": torch.arange(64, dtype=torch.float32)}, str(here / "model.safetensors"))
+    shutil.copytree(here, there)
+    assert model_identity(str(here)) == model_identity(str(there))
+    assert model_identity(str(here)).startswith("weights:")
+    assert meaning_of_kv(config(str(here))) == meaning_of_kv(config(str(there)))
+
+    new_weights = {"w": torch.arange(64, dtype=torch.float32).flip(0)}  # a fine-tune
+    save_file(new_weights, str(there / "model.safetensors"))
+    assert model_identity(str(here)) != model_identity(str(there))
+    assert model_identity(str(there), model_id="my-model-v2") == "my-model-v2"
 
 
 def test_quantization_changes_exactly_the_quantization_field(model_dir: str) -> None:

@@ -301,9 +301,9 @@ def test_clean_exit_leaves_nothing_of_the_segment(runs: dict[str, Any]) -> None:
 def test_weights_differing_only_in_a_middle_layer_change_the_namespace(
     workdirs: dict[str, Path], tmp_path: Path
 ) -> None:
-    from kvsdk.plugins.vllm.layout import _weights_fingerprint
+    from kvsdk.plugins.vllm.layout import model_identity
 
     partial = tmp_path / MODEL
     shutil.copytree(workdirs["a"] / MODEL, partial)
     _perturb_middle_layer(partial)
-    assert _weights_fingerprint(str(partial)) != _weights_fingerprint(str(workdirs["a"] / MODEL))
+    assert model_identity(str(partial)) != model_identity(str(workdirs["a"] / MODEL))
