@@ -23,6 +23,9 @@ class RedisOptions:
     """``redis://`` or ``rediss://`` (TLS); in Cluster mode, any one node."""
     cluster: bool = False
     """Redis Cluster: keys spread over the nodes by slot."""
+    urls: tuple[str, ...] = ()
+    """Cluster mode: more seed nodes (``redis://host:port``, no credentials), so
+    the tier starts while ``url``'s node is down."""
     ttl_seconds: int | None = None
     """Expire entries this long after they are stored (None: never; rely on maxmemory)."""
     username: str | None = None
@@ -56,6 +59,12 @@ class RedisOptions:
         problem = url_problem(self.url)
         if problem is not None:
             raise ValueError(f"url: {problem}")
+        for i, seed in enumerate(self.urls):
+            problem = seed_problem(seed, self.url)
+            if problem is not None:
+                raise ValueError(f"urls[{i}]: {problem}")
+        if self.urls and not self.cluster:
+            raise ValueError("urls: set without cluster: true; expected seed nodes of a Cluster")
         given = [n for n in PASSWORD_SOURCES if getattr(self, n) is not None]
         if len(given) > 1:
             raise ValueError(
@@ -81,6 +90,21 @@ class RedisOptions:
         if self.password is not None:
             shown["password"] = "***"
         return "RedisOptions(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+
+def seed_problem(seed: str, url: str) -> str | None:
+    """Why ``seed`` is no Cluster seed node beside ``url`` (None: it is one)."""
+    problem = url_problem(seed)
+    if problem is not None:
+        return problem
+    parts = urlsplit(seed)
+    if "@" in parts.netloc:
+        return "a seed node carries no credentials; expected redis://host:port (AUTH: password)"
+    if parts.scheme != urlsplit(url).scheme:
+        return (
+            f"got scheme {parts.scheme}://; expected the scheme of url ({urlsplit(url).scheme}://)"
+        )
+    return None
 
 
 PASSWORD_SOURCES = ("password", "password_file", "password_env")

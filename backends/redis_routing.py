@@ -1,7 +1,13 @@
 """Where the redis tier's commands go and how: the standalone client, or the
-Cluster client with keys grouped by the node that owns their slot (the slot
-map refreshed after a MOVED, ASK or TRYAGAIN reply), and pipelines of
-``max_batch`` keys per round trip behind each server's breaker.
+Cluster client with keys grouped by the node that owns their slot, and
+pipelines of ``max_batch`` keys per round trip behind each server's breaker.
+
+The slot map is refreshed (at most once per :data:`TOPOLOGY_REFRESH_S`) after
+a MOVED, ASK, TRYAGAIN or CLUSTERDOWN reply, and while a node fails or is
+skipped behind its open breaker: when a master dies and the cluster promotes
+its replica, the refresh finds the new master and its slots are served again
+(a node that stops answering sends no MOVED to say so). The seed nodes are
+``url`` and ``urls``: the client connects through any one that answers.
 
 Every round trip has a deadline as a whole (``socket_timeout`` bounds each
 read, not a reply a server drips a byte at a time): it runs on a thread of
@@ -19,11 +25,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import redis as redis_py
 from redis import connection as redis_connection
 from redis.backoff import NoBackoff
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import BlockingConnectionPool
 from redis.exceptions import AskError, ClusterDownError, InvalidResponse, TryAgainError
 from redis.retry import Retry
@@ -65,6 +72,15 @@ def within(reader: DeadlineReader, fn: Callable[[], _T], seconds: float) -> list
 
     reader.run(run, timeout=seconds)
     return box
+
+
+def seed_nodes(o: RedisOptions) -> list[ClusterNode]:
+    """The Cluster seed nodes of ``urls`` (``url``'s node is added by the client)."""
+    nodes = []
+    for url in o.urls:
+        parts = urlsplit(url)
+        nodes.append(ClusterNode(parts.hostname or "127.0.0.1", parts.port or 6379))
+    return nodes
 
 
 class RoundTripFailed(Exception):
@@ -112,6 +128,12 @@ class Router:
         o = self._options
         return o.connect_timeout + o.socket_timeout + nbytes / MIN_BYTES_PER_S
 
+    def _node_out(self, name: str) -> None:
+        """Cluster node ``name`` failed or is skipped: its slots may have moved
+        (a replica promoted), so the slot map is refreshed soon."""
+        if self.cluster is not None and name != "cluster":
+            self._refresh_topology = True
+
     def call(self, name: str, client: Any, fn: Callable[[], _T], nbytes: int = 0) -> _T:
         """``fn()`` (one round trip to server ``name``) within its deadline.
 
@@ -124,10 +146,12 @@ class Router:
             box = within(self._calls, fn, seconds)
         except Exception as exc:  # any failure: the server's (or its reply's), never raised
             self._health.outage(name, client, exc)
+            self._node_out(name)
             raise RoundTripFailed(
                 f"{type(exc).__name__}: {self._health.redact(str(exc))}"
             ) from None
         if not box:
+            self._node_out(name)
             late, workers = self._calls.late, self._calls.workers
             raise RoundTripFailed(
                 self._health.missed_deadline(name, client, seconds, late, workers)
@@ -154,6 +178,7 @@ class Router:
     def _connect_cluster(self) -> RedisCluster:
         return RedisCluster.from_url(
             self._url,
+            startup_nodes=seed_nodes(self._options),
             require_full_coverage=False,
             retry=Retry(NoBackoff(), 0),
             connection_pool_class=BlockingConnectionPool,
@@ -230,6 +255,7 @@ class Router:
             for start in range(0, len(positions), step):
                 part = positions[start : start + step]
                 if not breaker.allow():
+                    self._node_out(name)
                     continue
                 nbytes = sum(map(key_bytes, part)) if key_bytes is not None else 0
 

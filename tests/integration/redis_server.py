@@ -142,8 +142,10 @@ def start_cluster(
     node_args: Callable[[int], list[str]] | None = None,
     password: str | None = None,
     cli_args: Sequence[str] = (),
+    replicas: int = 0,
 ) -> RedisClusterNodes:
-    """``n`` cluster-enabled servers joined with ``redis-cli --cluster create``.
+    """``n`` cluster-enabled servers joined with ``redis-cli --cluster create``
+    (with ``replicas``, each master gets that many of the ``n`` as replicas).
 
     ``cluster-require-full-coverage no``: when a node dies the others keep
     serving their own slots (a cache wants exactly that). ``node_args(port)``
@@ -163,12 +165,14 @@ def start_cluster(
         env = dict(os.environ, REDISCLI_AUTH=password) if password else None
         subprocess.run(
             [REDIS_CLI, *cli_args, "--cluster", "create", *[f"127.0.0.1:{s.port}" for s in nodes],
-             "--cluster-replicas", "0", "--cluster-yes"],
+             "--cluster-replicas", str(replicas), "--cluster-yes"],
             capture_output=True, text=True, timeout=60, check=True, env=env,
         )  # fmt: skip
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            if all("cluster_state:ok" in s.cli("CLUSTER", "INFO") for s in nodes):
+            if all("cluster_state:ok" in s.cli("CLUSTER", "INFO") for s in nodes) and (
+                not replicas or _replicas_in_sync(nodes[0])
+            ):
                 return RedisClusterNodes(nodes)
             time.sleep(0.1)
         raise RuntimeError("cluster did not reach cluster_state:ok")
@@ -176,6 +180,25 @@ def start_cluster(
         for s in nodes:
             s.kill()
         raise
+
+
+def _replicas_in_sync(node: RedisServer) -> bool:
+    """Every replica the cluster lists is connected to its master."""
+    lines = node.cli("CLUSTER", "NODES").splitlines()
+    return all("connected" in line for line in lines if " slave " in line)
+
+
+def cluster_masters(node: RedisServer) -> dict[int, tuple[int, int]]:
+    """Each master's port: ``(first slot it serves, port of its replica or 0)``,
+    as ``node`` sees the cluster now."""
+    rows = [line.split() for line in node.cli("CLUSTER", "NODES").splitlines()]
+    port = {r[0]: int(r[1].split("@")[0].rsplit(":", 1)[1]) for r in rows}
+    out: dict[int, tuple[int, int]] = {}
+    for r in rows:
+        if "master" in r[2] and "fail" not in r[2] and len(r) > 8:
+            replica = next((port[x[0]] for x in rows if x[3] == r[0] and "fail" not in x[2]), 0)
+            out[port[r[0]]] = (int(r[8].split("-")[0]), replica)
+    return out
 
 
 PASSWORD = "s3cr@t:pa/ss-W0rd"
