@@ -28,7 +28,7 @@ from redis.exceptions import InvalidResponse, RedisError
 
 from kvsdk.backends.disk_reader import DeadlineReader
 from kvsdk.backends.redis_options import connection_kwargs, effective_url, mask_url, redact
-from kvsdk.backends.redis_routing import within
+from kvsdk.backends.redis_routing import seed_nodes, sentinel_master, within
 
 _T = TypeVar("_T")
 
@@ -192,6 +192,8 @@ def _connect(options: Any) -> Any:
     url = effective_url(options)
     kwargs = connection_kwargs(options, url)
     kwargs.pop("max_connections")
+    if options.sentinels:
+        return sentinel_master(options, url, kwargs)
     if options.cluster:
-        return RedisCluster.from_url(url, **kwargs)
+        return RedisCluster.from_url(url, startup_nodes=seed_nodes(options), **kwargs)
     return redis_py.Redis.from_url(url, **kwargs)

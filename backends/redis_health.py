@@ -68,7 +68,9 @@ class Health:
 
     def __init__(self, options: RedisOptions, log: logging.Logger) -> None:
         self.options = options
-        self.where = mask_url(options.url)
+        self.where = (
+            f"sentinel:{options.sentinel_master}" if options.sentinels else mask_url(options.url)
+        )
         """The URL with its password masked: what messages name the tier by."""
         self.burst = BurstLog(log)
         self._lock = threading.Lock()

@@ -26,6 +26,12 @@ class RedisOptions:
     urls: tuple[str, ...] = ()
     """Cluster mode: more seed nodes (``redis://host:port``, no credentials), so
     the tier starts while ``url``'s node is down."""
+    sentinels: tuple[str, ...] = ()
+    """Redis Sentinel (``redis://host:port`` each): the tier asks them for the
+    master of ``sentinel_master`` and follows it across failovers (``url`` then
+    names only the database)."""
+    sentinel_master: str | None = None
+    """The service name the sentinels monitor (with ``sentinels``)."""
     ttl_seconds: int | None = None
     """Expire entries this long after they are stored (None: never; rely on maxmemory)."""
     username: str | None = None
@@ -63,6 +69,21 @@ class RedisOptions:
             problem = seed_problem(seed, self.url)
             if problem is not None:
                 raise ValueError(f"urls[{i}]: {problem}")
+        for i, sentinel in enumerate(self.sentinels):
+            problem = seed_problem(sentinel, "redis://")
+            if problem is not None:
+                raise ValueError(f"sentinels[{i}]: {problem}")
+        if bool(self.sentinels) != bool(self.sentinel_master):
+            raise ValueError(
+                "sentinels and sentinel_master: one set without the other; expected both "
+                "(the sentinels and the service name they monitor) or neither"
+            )
+        if self.sentinels and (self.cluster or self.tls or self.url.startswith("rediss://")):
+            raise ValueError(
+                "sentinels: Sentinel with "
+                f"{'cluster: true' if self.cluster else 'TLS'} is not supported; expected a "
+                "standalone master reached over redis://"
+            )
         if self.urls and not self.cluster:
             raise ValueError("urls: set without cluster: true; expected seed nodes of a Cluster")
         given = [n for n in PASSWORD_SOURCES if getattr(self, n) is not None]
@@ -100,6 +121,8 @@ def seed_problem(seed: str, url: str) -> str | None:
     parts = urlsplit(seed)
     if "@" in parts.netloc:
         return "a seed node carries no credentials; expected redis://host:port (AUTH: password)"
+    if not parts.port:
+        return "expected redis://host:port with a port"
     if parts.scheme != urlsplit(url).scheme:
         return (
             f"got scheme {parts.scheme}://; expected the scheme of url ({urlsplit(url).scheme}://)"

@@ -34,6 +34,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import BlockingConnectionPool
 from redis.exceptions import AskError, ClusterDownError, InvalidResponse, TryAgainError
 from redis.retry import Retry
+from redis.sentinel import Sentinel
 
 from kvsdk.backend import BackendError
 from kvsdk.backends.disk_reader import DeadlineReader, Handoff
@@ -83,6 +84,22 @@ def seed_nodes(o: RedisOptions) -> list[ClusterNode]:
     return nodes
 
 
+def sentinel_master(o: RedisOptions, url: str, kwargs: dict[str, Any]) -> redis_py.Redis:
+    """A client of the master the sentinels name for ``sentinel_master``: each new
+    connection asks them, so after a failover (the breaker drops the sockets of
+    a master that stopped answering) the next ones reach the promoted replica."""
+    sentinel = Sentinel(
+        [(p.hostname or "127.0.0.1", p.port or 26379) for p in map(urlsplit, o.sentinels)],
+        socket_timeout=o.socket_timeout,
+        socket_connect_timeout=o.connect_timeout,
+    )
+    db = int(urlsplit(url).path.strip("/") or 0)
+    client: redis_py.Redis = sentinel.master_for(
+        o.sentinel_master, db=db, retry=Retry(NoBackoff(), 0), **kwargs
+    )
+    return client
+
+
 class RoundTripFailed(Exception):
     """A round trip failed or missed its deadline; already counted and reported
     (its server's breaker opened). ``reason``: what happened, password kept out."""
@@ -117,7 +134,9 @@ class Router:
             options.connect_timeout + options.socket_timeout,
             name="kvsdk-redis",
         )
-        if not options.cluster:
+        if options.sentinels:
+            self.client = sentinel_master(options, url, self._kwargs)
+        elif not options.cluster:
             pool = BlockingConnectionPool.from_url(
                 url, retry=Retry(NoBackoff(), 0), timeout=options.connect_timeout, **self._kwargs
             )
