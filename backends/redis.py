@@ -57,7 +57,7 @@ from kvsdk.backend import Backend, BackendError, Buffer, TierContext
 from kvsdk.backends import redis_admin
 from kvsdk.backends.redis_health import Health
 from kvsdk.backends.redis_options import RedisOptions, mask_url
-from kvsdk.backends.redis_routing import SKIPPED, RoundTripFailed, Router
+from kvsdk.backends.redis_routing import PAUSED, REFUSALS, SKIPPED, RoundTripFailed, Router
 from kvsdk.chunk_format import (
     FP_BYTES,
     HEADER_SIZE,
@@ -175,13 +175,21 @@ class RedisBackend(Backend):
                     pipe.exists(rkeys[i])  # (a reply per key; counted as not stored)
 
         replies = self._router.execute(
-            rkeys, add, per_key=True, key_bytes=lambda i: len(frames[i]) if fits[i] else 0
+            rkeys,
+            add,
+            per_key=True,
+            key_bytes=lambda i: len(frames[i]) if fits[i] else 0,
+            writes=True,
         )
         replies = [r if fits[i] else False for i, r in enumerate(replies)]
         ok = [r is True for r in replies]
-        for r in replies:
+        refused = 0
+        for i, r in enumerate(replies):
+            if r is PAUSED or isinstance(r, REFUSALS):
+                refused += len(frames[i])
             if isinstance(r, Exception):
                 self._health.command_error("set", r)
+        self._health.count("refused_bytes", refused)
         self._health.count("puts", sum(ok))
         self._health.count("put_failures", len(ok) - sum(ok))
         return ok

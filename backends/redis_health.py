@@ -28,6 +28,7 @@ OUTAGE: tuple[type[BaseException], ...] = (
 COUNTERS = (
     "hits", "misses", "corrupt", "unverifiable", "oversized", "puts", "put_failures", "deletes",
     "skipped", "outages", "timeouts", "command_errors", "topology_refreshes", "errors",
+    "write_refusals", "writes_paused", "refused_bytes",
 )  # fmt: skip
 """The counters ``stats()`` reports, in its order."""
 
@@ -75,6 +76,8 @@ class Health:
         self.burst = BurstLog(log)
         self._lock = threading.Lock()
         self._breakers: dict[str, Breaker] = {}
+        self._write_pauses: dict[str, Breaker] = {}
+        """Per server: writes paused after it refused them (OOM, READONLY, NOPERM)."""
         self._counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
 
     def redact(self, text: str) -> str:
@@ -88,6 +91,26 @@ class Health:
                     name, Breaker(self.options.backoff_initial, self.options.backoff_max)
                 )
         return b
+
+    def write_pause(self, name: str) -> Breaker:
+        """Server ``name``'s write pause: open after it refused writes; reads go on."""
+        b = self._write_pauses.get(name)
+        if b is None:
+            with self._lock:
+                b = self._write_pauses.setdefault(
+                    name, Breaker(self.options.backoff_initial, self.options.backoff_max)
+                )
+        return b
+
+    def writes_refused(self, name: str, exc: Exception, pause: float) -> None:
+        """Server ``name`` refused writes (full, read-only, no permission): counted,
+        and said once per burst; writes to it pause for ``pause`` seconds."""
+        self.count("write_refusals")
+        self.burst.warning(
+            f"refused:{name}",
+            "redis tier %s: %s refuses writes (%s); not writing to it for %.1fs, reads go on",
+            self.where, name, self.redact(str(exc)), pause,
+        )  # fmt: skip
 
     def count(self, name: str, n: int = 1) -> None:
         if n:
@@ -140,6 +163,9 @@ class Health:
         with self._lock:
             out = {k: float(v) for k, v in self._counters.items()}
             out["breakers_open"] = float(sum(b.is_open for b in self._breakers.values()))
+            out["writes_paused_servers"] = float(
+                sum(b.is_open for b in self._write_pauses.values())
+            )
         return out
 
     def available(self) -> bool:

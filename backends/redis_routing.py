@@ -32,7 +32,15 @@ from redis import connection as redis_connection
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import BlockingConnectionPool
-from redis.exceptions import AskError, ClusterDownError, InvalidResponse, TryAgainError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    InvalidResponse,
+    NoPermissionError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    TryAgainError,
+)
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
@@ -43,6 +51,11 @@ from kvsdk.backends.redis_options import RedisOptions, connection_kwargs, effect
 
 SKIPPED = object()
 """The reply of a key whose server was skipped (breaker open, slot uncovered)."""
+PAUSED = object()
+"""The reply of a write not sent: its server refused writes a moment ago."""
+REFUSALS = (OutOfMemoryError, ReadOnlyError, NoPermissionError)
+"""Replies that refuse writes for a while (a full server with ``noeviction``, a
+replica, an ACL user without write access): back-pressure, not an outage."""
 TOPOLOGY = (AskError, ClusterDownError, TryAgainError)  # AskError covers MovedError
 """Replies that mean the slot map is stale: refresh it."""
 TOPOLOGY_REFRESH_S = 1.0
@@ -252,6 +265,7 @@ class Router:
         *,
         valid: Callable[[Any], bool] | None = None,
         key_bytes: Callable[[int], int] | None = None,
+        writes: bool = False,
     ) -> list[Any]:
         """Pipelined commands for ``rkeys``, ``max_batch`` keys per round trip,
         each within its deadline (see the module's docstring).
@@ -265,14 +279,22 @@ class Router:
         (an exception if one failed). A reply (not an exception) that
         ``valid`` refuses makes the round trip a failure of its server.
         ``key_bytes(position)``: the bytes key ``position`` may move (sent and
-        received), for the deadline.
+        received), for the deadline. With ``writes``, a server that refused
+        writes (:data:`REFUSALS`) is sent none for a backoff: those keys'
+        replies are ``PAUSED``.
         """
         out: list[Any] = [SKIPPED] * len(rkeys)
         step = self._options.max_batch
         for name, client, positions in self.routes(rkeys):
             breaker = self._health.breaker(name)
+            pause = self._health.write_pause(name) if writes else None
             for start in range(0, len(positions), step):
                 part = positions[start : start + step]
+                if pause is not None and not pause.allow():
+                    for i in part:
+                        out[i] = PAUSED
+                    self._health.count("writes_paused", len(part))
+                    continue
                 if not breaker.allow():
                     self._node_out(name)
                     continue
@@ -293,6 +315,12 @@ class Router:
                     if isinstance(reply, TOPOLOGY):
                         self._refresh_topology = True
                     out[i] = reply
+                if pause is not None:
+                    refused = next((r for r in replies if isinstance(r, REFUSALS)), None)
+                    if refused is None:
+                        pause.succeeded()
+                    else:
+                        self._health.writes_refused(name, refused, pause.failed())
         skipped = sum(1 for r in out if r is SKIPPED)
         if skipped:
             self._health.count("skipped", skipped)
