@@ -9,12 +9,17 @@ Recording is a dict update, cheap enough for every scheduler step.
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 Labels = tuple[tuple[str, str], ...]
+GaugeSource = Callable[[], Iterable[tuple[str, dict[str, Any], float]]]
+"""Yields ``(name, labels, value)`` of gauges read when they are collected."""
+
+log = logging.getLogger(__name__)
 
 SECONDS_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 BYTES_BUCKETS = tuple(float(1 << s) for s in range(12, 34, 2))
@@ -33,6 +38,11 @@ COUNTERS = {
     "kvsdk_corrupt_chunks_total": "Chunks that failed integrity checks, by tier",
     "kvsdk_failed_jobs_total": "Transfer jobs that failed, by direction",
     "kvsdk_dropped_writes_total": "Write-throughs dropped because the queue was full, by tier",
+}
+GAUGES = {
+    "kvsdk_backend_stat": "A slower tier's own numbers as its stats() reports them "
+    "(failed, skipped and paused operations, breakers open, entries, bytes), "
+    "by tier, backend and stat",
 }
 HISTOGRAMS = {
     "kvsdk_transfer_seconds": ("Time of one transfer job, by direction", SECONDS_BUCKETS),
@@ -92,6 +102,7 @@ class Metrics:
         self._names: dict[tuple[str, Labels], str] = {}
         self._keys: dict[tuple[Any, ...], tuple[str, Labels]] = {}
         """``inc``'s call form -> its normalized key (labels sorted, values as text)."""
+        self._gauge_sources: list[GaugeSource] = []
 
     def inc(self, name: str, value: float = 1.0, **labels: Any) -> None:
         raw = (name, *labels.items())
@@ -168,6 +179,30 @@ class Metrics:
         for (n, lb), v in items:
             yield n, lb, v
 
+    def add_gauge_source(self, source: GaugeSource) -> None:
+        """``source`` is read each time the gauges are collected (a scrape)."""
+        with self._lock:
+            self._gauge_sources.append(source)
+
+    def remove_gauge_source(self, source: GaugeSource) -> None:
+        with self._lock:
+            if source in self._gauge_sources:
+                self._gauge_sources.remove(source)
+
+    def iter_gauges(self) -> Iterator[tuple[str, Labels, float]]:
+        """Every source's gauges now; a source that fails is left out (logged)."""
+        with self._lock:
+            sources = list(self._gauge_sources)
+        for source in sources:
+            try:
+                read = [(n, _labels(lb), float(v)) for n, lb, v in source()]
+            except Exception as exc:
+                log.warning("kvsdk metrics: a gauge source failed: %s", exc)
+                continue
+            for name, labels, value in read:
+                assert name in GAUGES, name
+                yield name, labels, value
+
     def iter_histograms(self) -> Iterator[tuple[str, Labels, Histogram]]:
         with self._lock:
             items = [
@@ -202,7 +237,11 @@ class BoundHistogram:
 def start_prometheus_exporter(metrics: Metrics, port: int, addr: str = "127.0.0.1") -> Any:
     """Serve ``metrics`` at ``http://addr:port/metrics`` (needs ``prometheus-client``)."""
     from prometheus_client import CollectorRegistry, start_http_server
-    from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
 
     class _Collector:
         def collect(self) -> Iterator[Any]:
@@ -214,6 +253,14 @@ def start_prometheus_exporter(metrics: Metrics, port: int, addr: str = "127.0.0.
                         name.removesuffix("_total"), COUNTERS[name], labels=[k for k, _ in labels]
                     )
                 fam.add_metric([v for _, v in labels], value)
+            for name, labels, value in metrics.iter_gauges():
+                key = f"g:{name}"
+                gfam = fams.get(key)
+                if gfam is None:
+                    gfam = fams[key] = GaugeMetricFamily(
+                        name, GAUGES[name], labels=[k for k, _ in labels]
+                    )
+                gfam.add_metric([v for _, v in labels], value)
             for name, labels, h in metrics.iter_histograms():
                 key = f"h:{name}:{','.join(k for k, _ in labels)}"
                 hfam = fams.get(key)

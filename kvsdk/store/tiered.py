@@ -36,7 +36,7 @@ import enum
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -158,6 +158,17 @@ class TieredStore:
             if self.lower
             else None
         )
+        if self.lower:
+            self.metrics.add_gauge_source(self.tier_stats)
+
+    def tier_stats(self) -> Iterator[tuple[str, dict[str, Any], float]]:
+        """Each slower tier's ``stats()`` as ``kvsdk_backend_stat`` gauges (read at
+        a scrape, on the exporter's thread)."""
+        for t, tier in enumerate(self.lower, start=1):
+            for stat, value in tier.stats().items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    labels = {"tier": t, "backend": type(tier).__name__, "stat": stat}
+                    yield "kvsdk_backend_stat", labels, float(value)
 
     # -- lookups -----------------------------------------------------------------------
     def lookup(self, key: ChunkKey, tenant: str = "") -> LookupResult:
@@ -539,6 +550,7 @@ class TieredStore:
     def shutdown(self) -> None:
         """Finish the I/O in flight, then close every tier. (The lifecycle hooks
         belong to the store's owner, :class:`kvsdk.store.factory.StoreHandle`.)"""
+        self.metrics.remove_gauge_source(self.tier_stats)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._reap()

@@ -164,6 +164,31 @@ def test_a_write_the_os_refuses_moves_backend_errors(tmp_path: Path) -> None:
     store.shutdown()
 
 
+def test_a_redis_outage_shows_skipped_operations_and_open_breakers_per_tier() -> None:
+    """What an operator sees on kvsdk's exporter during an outage: the tier's own
+    numbers as ``kvsdk_backend_stat`` gauges (every key operation skipped behind
+    an open breaker, not only the breaker openings the error counter shows)."""
+    store = store_with(
+        {
+            "backend": "redis",
+            "url": f"redis://127.0.0.1:{free_port()}/0",  # nothing listens there
+            "connect_timeout": 0.2,
+            "socket_timeout": 0.2,
+            "backoff_initial": 5.0,  # the breaker stays open for the rest of the test
+        }
+    )
+    look_and_save(store)
+    for i in range(10):  # ten more lookups while the breaker is open: skipped, not sent
+        assert store.lookup(bytes([i]) * 16) is LookupResult.RETRY
+    pump(store)
+    labels = '{backend="RedisBackend",stat="%s",tier="1"}'
+    assert scraped(store, "kvsdk_backend_stat", labels % "breakers_open") == 1
+    assert scraped(store, "kvsdk_backend_stat", labels % "outages") == 1
+    assert scraped(store, "kvsdk_backend_stat", labels % "skipped") >= 10
+    store.shutdown()
+    assert list(store.metrics.iter_gauges()) == []  # a closed store is read no more
+
+
 def test_a_host_tier_too_small_moves_evictions() -> None:
     store = store_with(None, host_slots=2)
     for i in range(5):
@@ -209,10 +234,10 @@ FAILURE_COUNTERS_CHECKED_HERE = {
 
 
 def test_the_docs_name_only_metrics_that_exist_and_each_failure_counter_is_checked() -> None:
-    from kvsdk.metrics import COUNTERS, HISTOGRAMS
+    from kvsdk.metrics import COUNTERS, GAUGES, HISTOGRAMS
 
     suffixes = ("", "_bucket", "_count", "_sum")
-    known = set(COUNTERS) | {h + s for h in HISTOGRAMS for s in suffixes}
+    known = set(COUNTERS) | set(GAUGES) | {h + s for h in HISTOGRAMS for s in suffixes}
     for doc in ("troubleshooting.md", "monitoring.md"):
         text = (DOCS / doc).read_text()
         named = set(re.findall(r"\bkvsdk_[a-z_]+[a-z]", text))
