@@ -11,7 +11,11 @@ again, with no new failure, while the tier is not skipping calls (a Redis
 circuit breaker that answers misses without asking the server says nothing
 about the server): that logs, once::
 
-    kvsdk: tier 1 (redis) back up after 4 failures / 2.3 s
+    kvsdk: tier 1 (redis) back up after 4 failures: failing for 1.2 s, answering 2.3 s after the first failure
+
+"failing for" runs from the first failure to the last one: how long the tier
+was seen down. The success comes later by the breaker's backoff and the
+engine's next call, so "answering" is an upper bound, never the outage itself.
 
 A tier whose writes fail while its reads still work (a disk that became
 read-only) stays down until a write succeeds: reads do not bring it back.
@@ -30,6 +34,8 @@ from dataclasses import dataclass, field
 class _Outage:
     since: float
     failures: int
+    last: float = 0.0
+    """When the last failure was seen."""
     ops: set[str] = field(default_factory=set)
     """The operations that failed while down: one of them succeeding brings it back."""
 
@@ -54,6 +60,7 @@ class TierHealth:
             if outage is None:
                 outage = self._down[t] = _Outage(time.monotonic(), 0)
             outage.failures += max(1, failures)
+            outage.last = time.monotonic()
             outage.ops.add(op)
         if went_down:
             self._log.warning("kvsdk: tier %d (%s) down: %s", t, name, reason)
@@ -69,9 +76,11 @@ class TierHealth:
                 return
             del self._down[t]
         self._log.warning(
-            "kvsdk: tier %d (%s) back up after %d failures / %.1f s",
+            "kvsdk: tier %d (%s) back up after %d failures: failing for %.1f s, answering "
+            "%.1f s after the first failure",
             t,
             name,
             outage.failures,
+            outage.last - outage.since,
             time.monotonic() - outage.since,
         )
