@@ -28,7 +28,7 @@ OUTAGE: tuple[type[BaseException], ...] = (
 COUNTERS = (
     "hits", "misses", "corrupt", "unverifiable", "oversized", "puts", "put_failures", "deletes",
     "skipped", "outages", "timeouts", "command_errors", "topology_refreshes", "errors",
-    "write_refusals", "writes_paused", "refused_bytes",
+    "write_refusals", "writes_paused", "refused_bytes", "round_trips",
 )  # fmt: skip
 """The counters ``stats()`` reports, in its order."""
 

@@ -64,6 +64,10 @@ TOPOLOGY_REFRESH_S = 1.0
 MIN_BYTES_PER_S = 64 << 20
 """The slowest transfer a round trip's deadline allows for its bytes (sent and
 at most received), on top of ``connect_timeout + socket_timeout``."""
+ROUND_TRIP_BYTES = 8 << 20
+"""The most payload bytes one pipelined round trip moves (beyond its first key):
+a batch of large chunks is split, so no call holds a busy server (or its
+deadline) for a long transfer, and reads and writes of other threads interleave."""
 CALL_THREADS_MAX = 32
 """Threads a tier runs its round trips on: ``max_connections``, at most this."""
 
@@ -284,12 +288,10 @@ class Router:
         replies are ``PAUSED``.
         """
         out: list[Any] = [SKIPPED] * len(rkeys)
-        step = self._options.max_batch
         for name, client, positions in self.routes(rkeys):
             breaker = self._health.breaker(name)
             pause = self._health.write_pause(name) if writes else None
-            for start in range(0, len(positions), step):
-                part = positions[start : start + step]
+            for part in self._round_trips(positions, key_bytes):
                 if pause is not None and not pause.allow():
                     for i in part:
                         out[i] = PAUSED
@@ -299,6 +301,7 @@ class Router:
                     self._node_out(name)
                     continue
                 nbytes = sum(map(key_bytes, part)) if key_bytes is not None else 0
+                self._health.count("round_trips")
 
                 def round_trip(client: Any = client, part: list[int] = part) -> list[Any]:
                     pipe = client.pipeline(transaction=False)
@@ -324,6 +327,28 @@ class Router:
         skipped = sum(1 for r in out if r is SKIPPED)
         if skipped:
             self._health.count("skipped", skipped)
+        return out
+
+    def _round_trips(
+        self, positions: list[int], key_bytes: Callable[[int], int] | None
+    ) -> list[list[int]]:
+        """``positions`` in round trips of at most ``max_batch`` keys and
+        :data:`ROUND_TRIP_BYTES` bytes (at least one key each)."""
+        step = self._options.max_batch
+        if key_bytes is None:
+            return [positions[i : i + step] for i in range(0, len(positions), step)]
+        out: list[list[int]] = []
+        part: list[int] = []
+        size = 0
+        for i in positions:
+            n = key_bytes(i)
+            if part and (len(part) >= step or size + n > ROUND_TRIP_BYTES):
+                out.append(part)
+                part, size = [], 0
+            part.append(i)
+            size += n
+        if part:
+            out.append(part)
         return out
 
     @staticmethod

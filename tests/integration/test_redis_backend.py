@@ -311,6 +311,26 @@ def test_the_password_from_a_file_or_the_environment_and_never_shown(
         server.kill()
 
 
+def test_large_chunks_move_in_round_trips_of_bounded_bytes(redis_server: RedisServer) -> None:
+    """No round trip moves more than ROUND_TRIP_BYTES (8 MiB): 16 chunks of 1 MiB
+    go in 3 round trips each way (7 per trip), 64 chunks of 4 KiB in one."""
+    from kvsdk.backends.redis_routing import ROUND_TRIP_BYTES
+
+    mib = 1 << 20
+    ctx_1mib = TierContext(namespace_fp=NS, namespace_hex=NS.hex(), chunk_bytes=mib)
+    b = RedisBackend(RedisOptions(url=redis_server.url), ctx_1mib)
+    big = [(key(i), payload(i, mib)) for i in range(16)]
+    trips = b.stats()["round_trips"]
+    assert b.put(big) == [True] * 16
+    assert b.stats()["round_trips"] - trips == 3 == -(-16 // (ROUND_TRIP_BYTES // (mib + 64)))
+    got = b.get([k for k, _ in big])
+    assert [bytes(v) for v in got if v is not None] == [v for _, v in big]
+    assert b.stats()["round_trips"] - trips == 6
+    small = [(key(100 + i), payload(100 + i)) for i in range(64)]
+    assert b.put(small) == [True] * 64 and b.stats()["round_trips"] - trips == 7
+    b.clear()
+
+
 def _store_in_child(url: str, start: int, n: int) -> list[bool]:
     b = backend(url)
     stored: list[bool] = b.put([(key(i), payload(i)) for i in range(start, start + n)])
