@@ -94,11 +94,8 @@ def within(reader: DeadlineReader, fn: Callable[[], _T], seconds: float) -> list
 
 def seed_nodes(o: RedisOptions) -> list[ClusterNode]:
     """The Cluster seed nodes of ``urls`` (``url``'s node is added by the client)."""
-    nodes = []
-    for url in o.urls:
-        parts = urlsplit(url)
-        nodes.append(ClusterNode(parts.hostname or "127.0.0.1", parts.port or 6379))
-    return nodes
+    node: Any = ClusterNode  # (untyped upstream)
+    return [node(p.hostname or "127.0.0.1", p.port or 6379) for p in map(urlsplit, o.urls)]
 
 
 def sentinel_master(o: RedisOptions, url: str, kwargs: dict[str, Any]) -> redis_py.Redis:
@@ -111,6 +108,8 @@ def sentinel_master(o: RedisOptions, url: str, kwargs: dict[str, Any]) -> redis_
         socket_connect_timeout=o.connect_timeout,
     )
     db = int(urlsplit(url).path.strip("/") or 0)
+    if o.sentinel_master is None:  # (RedisOptions refuses sentinels without it)
+        raise ValueError("sentinels: set without sentinel_master")
     client: redis_py.Redis = sentinel.master_for(
         o.sentinel_master, db=db, retry=Retry(NoBackoff(), 0), **kwargs
     )
