@@ -101,12 +101,15 @@ class RedisBackend(Backend):
         rkeys = [self._rkey(k) for k in keys]
         limit = self._max_frame
         standalone = self._router.client is not None
+        refresh = self.options.ttl_seconds if self.options.ttl_refresh_on_hit else None
 
         def add(pipe: Any, part: list[int]) -> None:
             if limit is not None:
                 for i in part:  # at most limit + 1 bytes: more is not one of our frames
                     pipe.exists(rkeys[i])  # (GETRANGE answers b"" for no key and an empty one)
                     pipe.getrange(rkeys[i], 0, limit)
+                    if refresh is not None:  # a hit's entry lives another ttl_seconds
+                        pipe.expire(rkeys[i], refresh)
             elif standalone:
                 pipe.mget([rkeys[i] for i in part])
             else:
@@ -114,7 +117,8 @@ class RedisBackend(Backend):
                     pipe.get(rkeys[i])
 
         if limit is not None:
-            pairs = self._router.execute(rkeys, add, per_key=True, commands_per_key=2,
+            pairs = self._router.execute(rkeys, add, per_key=True,
+                                         commands_per_key=2 if refresh is None else 3,
                                          valid=_exists_and_range, key_bytes=lambda _i: limit + 1)  # fmt: skip
             replies = [r if not isinstance(r, tuple) else r[1] if r[0] else None for r in pairs]
         else:
@@ -316,8 +320,14 @@ class RedisBackend(Backend):
 
 
 def _exists_and_range(reply: Any) -> bool:
-    """An ``EXISTS`` and ``GETRANGE`` pair of replies, as a server gives them."""
-    return isinstance(reply, tuple) and isinstance(reply[0], int) and isinstance(reply[1], bytes)
+    """An ``EXISTS`` and ``GETRANGE`` pair of replies (and an ``EXPIRE``'s, when
+    hits refresh their TTL), as a server gives them."""
+    return (
+        isinstance(reply, tuple)
+        and isinstance(reply[0], int)
+        and isinstance(reply[1], bytes)
+        and all(isinstance(r, int) for r in reply[2:])
+    )
 
 
 def _value(reply: Any) -> bool:

@@ -34,6 +34,9 @@ class RedisOptions:
     """The service name the sentinels monitor (with ``sentinels``)."""
     ttl_seconds: int | None = None
     """Expire entries this long after they are stored (None: never; rely on maxmemory)."""
+    ttl_refresh_on_hit: bool = False
+    """Each hit restarts its entry's ``ttl_seconds`` (an EXPIRE in the read's own round
+    trip), so entries in use do not expire."""
     username: str | None = None
     """AUTH (ACL) user; overrides one in the URL."""
     password: str | None = None
@@ -96,6 +99,8 @@ class RedisOptions:
             object.__setattr__(self, "password", read_password_file(self.password_file))
         elif self.password_env is not None:
             object.__setattr__(self, "password", read_password_env(self.password_env))
+        if self.ttl_refresh_on_hit and self.ttl_seconds is None:
+            raise ValueError("ttl_refresh_on_hit: set without ttl_seconds; expected both")
         if self.ttl_seconds is not None and self.ttl_seconds <= 0:
             raise ValueError(f"ttl_seconds: got {self.ttl_seconds}; expected a positive integer")
         for name in ("socket_timeout", "connect_timeout", "backoff_initial", "backoff_max"):

@@ -331,6 +331,24 @@ def test_large_chunks_move_in_round_trips_of_bounded_bytes(redis_server: RedisSe
     b.clear()
 
 
+def test_a_hit_restarts_its_ttl_only_with_ttl_refresh_on_hit(
+    redis_server: RedisServer, raw: redis.Redis
+) -> None:
+    plain = backend(redis_server.url, ttl_seconds=100)
+    fresh = backend(redis_server.url, ttl_seconds=100, ttl_refresh_on_hit=True)
+    assert plain.put([(key(1), payload(1)), (key(2), payload(2))]) == [True, True]
+    for i in (1, 2):
+        raw.expire(rkey(key(i)), 5)  # as if stored 95 s ago
+    assert plain.get([key(1)])[0] is not None and raw.ttl(rkey(key(1))) <= 5
+    got = fresh.get([key(2), key(99)])
+    assert got[0] is not None and bytes(got[0]) == payload(2) and got[1] is None
+    assert raw.ttl(rkey(key(2))) > 90  # the hit lives another ttl_seconds
+    assert raw.exists(rkey(key(99))) == 0  # a miss creates nothing
+    with pytest.raises(ValueError, match="ttl_refresh_on_hit: set without ttl_seconds"):
+        RedisOptions(url=redis_server.url, ttl_refresh_on_hit=True)
+    plain.clear()
+
+
 def _store_in_child(url: str, start: int, n: int) -> list[bool]:
     b = backend(url)
     stored: list[bool] = b.put([(key(i), payload(i)) for i in range(start, start + n)])
