@@ -84,20 +84,17 @@ class Health:
         return redact(self.options, text)
 
     def breaker(self, name: str) -> Breaker:
-        b = self._breakers.get(name)
-        if b is None:
-            with self._lock:
-                b = self._breakers.setdefault(
-                    name, Breaker(self.options.backoff_initial, self.options.backoff_max)
-                )
-        return b
+        return self._breaker_in(self._breakers, name)
 
     def write_pause(self, name: str) -> Breaker:
         """Server ``name``'s write pause: open after it refused writes; reads go on."""
-        b = self._write_pauses.get(name)
+        return self._breaker_in(self._write_pauses, name)
+
+    def _breaker_in(self, breakers: dict[str, Breaker], name: str) -> Breaker:
+        b = breakers.get(name)
         if b is None:
             with self._lock:
-                b = self._write_pauses.setdefault(
+                b = breakers.setdefault(
                     name, Breaker(self.options.backoff_initial, self.options.backoff_max)
                 )
         return b

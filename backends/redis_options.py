@@ -154,9 +154,7 @@ def read_password_file(path: str) -> str:
         ) from None
     if len(data) > MAX_PASSWORD_FILE_BYTES:
         raise ValueError(f"password_file: {path!r} is over {MAX_PASSWORD_FILE_BYTES} bytes")
-    text = _utf8(data, path)
-    text = text[:-1] if text.endswith("\n") else text
-    text = text[:-1] if text.endswith("\r") else text
+    text = _utf8(data, path).removesuffix("\n").removesuffix("\r")
     if not text:
         raise ValueError(f"password_file: {path!r} is empty; expected the Redis password")
     return text

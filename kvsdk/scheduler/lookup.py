@@ -7,7 +7,7 @@ import time
 from functools import partial
 
 from kvsdk.metrics import Metrics
-from kvsdk.planner import BeingLoaded, LookupPlanner, PlanRequest
+from kvsdk.planner import BeingLoaded, LookupFn, LookupPlanner, LookupRunFn, PlanRequest
 from kvsdk.scheduler.request import RequestState
 from kvsdk.scheduler.tail import tail_lookup
 from kvsdk.store.tiered import TieredStore
@@ -45,6 +45,7 @@ class Lookups:
         that can be loaded; None: ask again."""
         computed = r.num_computed_local
         start = time.perf_counter()
+        lookup, lookup_run = self._store_lookups(r.tenant)
         plan = self.planner.plan(
             PlanRequest(
                 req_id=req_id,
@@ -54,15 +55,15 @@ class Lookups:
                 group_keys=r.keys,
                 max_load_tokens=self.max_load_tokens,
             ),
-            partial(self.store.lookup, tenant=r.tenant),
+            lookup,
             max_num_new_tokens=max_num_new_tokens,
             being_loaded=being_loaded,
-            lookup_run=partial(self.store.lookup_run, tenant=r.tenant),
+            lookup_run=lookup_run,
         )
         hit = (
             None
             if plan is None
-            else self._with_tail(r, computed, plan.num_hit_tokens, being_loaded)
+            else self._with_tail(r, computed, plan.num_hit_tokens, being_loaded, lookup)
         )
         now = time.perf_counter()
         self._sync_delays.append(now - start)
@@ -74,8 +75,21 @@ class Lookups:
         self._hit_tokens += hit
         return hit
 
+    def _store_lookups(self, tenant: str) -> tuple[LookupFn, LookupRunFn]:
+        """The store's lookups for ``tenant``'s request: what they promote is charged
+        to its quota account (the plain ones when no quota sets one apart)."""
+        store = self.store
+        if not tenant or not store.tenant_quotas:
+            return store.lookup, store.lookup_run
+        return partial(store.lookup, tenant=tenant), partial(store.lookup_run, tenant=tenant)
+
     def _with_tail(
-        self, r: RequestState, computed: int, hit: int, being_loaded: BeingLoaded
+        self,
+        r: RequestState,
+        computed: int,
+        hit: int,
+        being_loaded: BeingLoaded,
+        lookup: LookupFn,
     ) -> int | None:
         """``hit`` extended by the prompt's tail (None: ask again)."""
         t = r.tail
@@ -85,7 +99,7 @@ class Lookups:
             return hit  # the request grew past its prompt: a whole chunk is named there now
         if self.max_load_tokens is not None and t.end - computed > self.max_load_tokens:
             return hit
-        served = tail_lookup(t, partial(self.store.lookup, tenant=r.tenant), being_loaded)
+        served = tail_lookup(t, lookup, being_loaded)
         return None if served is None else (t.end - computed if served else hit)
 
     def end_deferral(self, r: RequestState, now: float | None = None) -> None:

@@ -10,6 +10,7 @@ the end. Import the fixtures into a test module::
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
@@ -18,12 +19,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import numpy as np
 import pytest
 import yaml
 
@@ -171,7 +173,7 @@ def start_cluster(
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if all("cluster_state:ok" in s.cli("CLUSTER", "INFO") for s in nodes) and (
-                not replicas or _replicas_in_sync(nodes[0])
+                not replicas or _replicas_known(nodes, n // (replicas + 1))
             ):
                 return RedisClusterNodes(nodes)
             time.sleep(0.1)
@@ -182,10 +184,17 @@ def start_cluster(
         raise
 
 
-def _replicas_in_sync(node: RedisServer) -> bool:
-    """Every replica the cluster lists is connected to its master."""
-    lines = node.cli("CLUSTER", "NODES").splitlines()
-    return all("connected" in line for line in lines if " slave " in line)
+def _replicas_known(nodes: list[RedisServer], masters: int) -> bool:
+    """Every node sees ``masters`` masters, each with a replica that has synced."""
+    for node in nodes:
+        seen = cluster_masters(node)
+        if len(seen) != masters or not all(replica for _, replica in seen.values()):
+            return False
+    return all(
+        "master_link_status:up" in node.cli("INFO", "replication")
+        for node in nodes
+        if "role:slave" in node.cli("INFO", "replication")
+    )
 
 
 def cluster_masters(node: RedisServer) -> dict[int, tuple[int, int]]:
@@ -199,6 +208,58 @@ def cluster_masters(node: RedisServer) -> dict[int, tuple[int, int]]:
             replica = next((port[x[0]] for x in rows if x[3] == r[0] and "fail" not in x[2]), 0)
             out[port[r[0]]] = (int(r[8].split("-")[0]), replica)
     return out
+
+
+# -- the chunks a test stores in a redis tier ----------------------------------------------
+
+FAST: dict[str, Any] = {
+    "backoff_initial": 0.05,
+    "backoff_max": 0.2,
+    "socket_timeout": 0.3,
+    "connect_timeout": 0.3,
+}
+"""Tier options that notice a dead server, and retry it, within a fraction of a second."""
+
+
+def key(i: int) -> bytes:
+    return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest()
+
+
+def payload(i: int, size: int = 4096) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def served(tier: Any, keys: range) -> set[int]:
+    """Which of chunks ``keys`` the tier serves, each checked byte for byte."""
+    got = tier.get([key(i) for i in keys])
+    wrong = [i for i, v in zip(keys, got, strict=True) if v is not None and bytes(v) != payload(i)]
+    assert not wrong, f"wrong bytes for {wrong}"
+    return {i for i, v in zip(keys, got, strict=True) if v is not None}
+
+
+def watch_failover(
+    tier: Any, n: int, promoted: Callable[[], bool], always: Collection[int] = ()
+) -> tuple[float, float, list[tuple[float, int]]]:
+    """Right after a master was killed: read chunks ``0..n-1`` every 0.2 s (``always``
+    must be served throughout) until ``promoted()`` and every chunk is served again.
+    Returns the seconds from the kill to the promotion, from the promotion to the
+    first read that served all, and the reads' log; fails after 40 s."""
+    killed = time.monotonic()
+    promoted_at = served_at = None
+    log: list[tuple[float, int]] = []
+    while time.monotonic() - killed < 40 and served_at is None:
+        hit = served(tier, range(n))
+        now = time.monotonic()
+        log.append((round(now - killed, 2), len(hit)))
+        assert set(always) <= hit, f"chunks that must stay served missed: {log}"
+        if promoted_at is None and promoted():
+            promoted_at = now
+        if promoted_at is not None and len(hit) == n:
+            served_at = now
+        time.sleep(0.2)
+    assert promoted_at is not None, f"no replica was promoted within 40 s: {log}"
+    assert served_at is not None, f"the chunks missed for 40 s after the kill: {log}"
+    return promoted_at - killed, served_at - promoted_at, log
 
 
 PASSWORD = "s3cr@t:pa/ss-W0rd"

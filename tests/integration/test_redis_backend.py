@@ -18,14 +18,17 @@ import redis
 from redis.cluster import RedisCluster
 from redis_server import (  # noqa: F401  (fixtures)
     ACL_USER,
+    FAST,
     PASSWORD,
     RedisClusterNodes,
     RedisServer,
     free_port,
     in_url,
     inspect_cli,
+    key,
     leaked,
     needs_redis,
+    payload,
     redis_cluster_fixture,
     redis_server_fixture,
     redis_tools_fixture,
@@ -42,12 +45,6 @@ pytestmark = [pytest.mark.integration, needs_redis]
 
 NS = hashlib.blake2b(b"model-a", digest_size=16).digest()
 NS_B = hashlib.blake2b(b"model-b", digest_size=16).digest()
-FAST: dict[str, Any] = {
-    "backoff_initial": 0.05,
-    "backoff_max": 0.2,
-    "socket_timeout": 0.3,
-    "connect_timeout": 0.3,
-}
 
 
 LARGEST = 8 << 20
@@ -60,14 +57,6 @@ def ctx(ns: bytes = NS) -> TierContext:
 
 def backend(url: str, ns: bytes = NS, **options: Any) -> RedisBackend:
     return RedisBackend(RedisOptions(url=url, **options), ctx(ns))
-
-
-def key(i: int) -> bytes:
-    return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest()
-
-
-def payload(i: int, size: int = 4096) -> bytes:
-    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
 def rkey(k: bytes, ns: bytes = NS) -> str:

@@ -9,22 +9,25 @@ from __future__ import annotations
 
 import hashlib
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from redis.cluster import RedisCluster
 from redis_server import (  # noqa: F401  (fixtures)
+    FAST,
     REDIS_CLI,
     REDIS_SERVER,
     RedisClusterNodes,
     cluster_masters,
+    key,
     missing_tool,
+    payload,
     redis_tools_fixture,
+    served,
     start_cluster,
+    watch_failover,
 )
 
 from kvsdk.backend import TierContext
@@ -33,12 +36,6 @@ from kvsdk.backends.redis import RedisBackend, RedisOptions
 pytestmark = pytest.mark.integration
 
 NS = hashlib.blake2b(b"failover", digest_size=16).digest()
-FAST: dict[str, Any] = {
-    "backoff_initial": 0.05,
-    "backoff_max": 0.2,
-    "socket_timeout": 0.3,
-    "connect_timeout": 0.3,
-}
 N = 96
 FOLLOW_WITHIN_S = 10.0
 """The issue's goal: the shard hits again within this long of the promotion."""
@@ -47,22 +44,6 @@ FOLLOW_WITHIN_S = 10.0
 def backend(url: str, **options: Any) -> RedisBackend:
     ctx = TierContext(namespace_fp=NS, namespace_hex=NS.hex(), chunk_bytes=1 << 20)
     return RedisBackend(RedisOptions(url=url, cluster=True, **{**FAST, **options}), ctx)
-
-
-def key(i: int) -> bytes:
-    return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest()
-
-
-def payload(i: int) -> bytes:
-    return np.random.default_rng(i).integers(0, 256, 4096, dtype=np.uint8).tobytes()
-
-
-def served(b: RedisBackend, keys: range) -> set[int]:
-    """Which of ``keys`` the tier serves, each checked byte for byte."""
-    got = b.get([key(i) for i in keys])
-    wrong = [i for i, v in zip(keys, got, strict=True) if v is not None and bytes(v) != payload(i)]
-    assert not wrong, f"wrong bytes for {wrong}"
-    return {i for i, v in zip(keys, got, strict=True) if v is not None}
 
 
 @pytest.fixture(scope="module")
@@ -99,25 +80,15 @@ def test_a_killed_master_is_followed_to_its_promoted_replica(cluster: RedisClust
     assert int(victim.cli("WAIT", "1", "5000")) == 1  # the replica holds every write
 
     victim.kill()
-    killed = time.monotonic()
-    promoted = served_again = None
-    log: list[tuple[float, int]] = []
-    while time.monotonic() - killed < 40 and served_again is None:
-        hit = served(b, range(N))
-        now = time.monotonic()
-        log.append((round(now - killed, 2), len(hit)))
-        assert hit >= set(range(N)) - shard  # the other shards never stop
-        if promoted is None and "role:master" in replica.cli("INFO", "replication"):
-            promoted = now
-        if promoted is not None and hit == set(range(N)):
-            served_again = now
-        time.sleep(0.2)
-    assert promoted is not None, f"the cluster promoted no replica within 40 s: {log}"
-    assert served_again is not None, f"the shard missed for 40 s after the kill: {log}"
-    assert served_again - promoted <= FOLLOW_WITHIN_S, log
+
+    def promoted() -> bool:
+        return "role:master" in replica.cli("INFO", "replication")
+
+    to_promotion, to_served, log = watch_failover(b, N, promoted, set(range(N)) - shard)
+    assert to_served <= FOLLOW_WITHIN_S, log
     print(
-        f"failover: promoted {promoted - killed:.1f} s after the kill, shard served again "
-        f"{served_again - promoted:.1f} s after the promotion ({len(shard)} chunks)"
+        f"failover: promoted {to_promotion:.1f} s after the kill, shard served again "
+        f"{to_served:.1f} s after the promotion ({len(shard)} chunks)"
     )
     # writes to the shard land on the promoted replica, the dead node still dead
     fresh = range(N, N + 48)

@@ -15,14 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from redis_server import (
     REDIS_CLI,
     REDIS_SERVER,
     RedisServer,
     free_port,
+    key,
     missing_tool,
+    payload,
+    served,
+    watch_failover,
 )
 
 from kvsdk.backend import TierContext
@@ -118,21 +121,6 @@ def backend(d: Deployment, **extra: Any) -> RedisBackend:
     return RedisBackend(options, ctx)
 
 
-def key(i: int) -> bytes:
-    return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest()
-
-
-def payload(i: int) -> bytes:
-    return np.random.default_rng(i).integers(0, 256, 4096, dtype=np.uint8).tobytes()
-
-
-def served(b: RedisBackend, keys: range) -> set[int]:
-    got = b.get([key(i) for i in keys])
-    wrong = [i for i, v in zip(keys, got, strict=True) if v is not None and bytes(v) != payload(i)]
-    assert not wrong, f"wrong bytes for {wrong}"
-    return {i for i, v in zip(keys, got, strict=True) if v is not None}
-
-
 def test_the_tier_follows_the_master_the_sentinels_promote(deployment: Deployment) -> None:
     d = deployment
     b = backend(d)
@@ -142,23 +130,14 @@ def test_the_tier_follows_the_master_the_sentinels_promote(deployment: Deploymen
     assert served(b, range(N)) == set(range(N))
 
     d.master.kill()
-    killed = time.monotonic()
-    promoted = served_again = None
-    log: list[tuple[float, int]] = []
-    while time.monotonic() - killed < 40 and served_again is None:
-        hit = served(b, range(N))
-        now = time.monotonic()
-        log.append((round(now - killed, 2), len(hit)))
-        if promoted is None and "role:master" in d.replica.cli("INFO", "replication"):
-            promoted = now
-        if promoted is not None and hit == set(range(N)):
-            served_again = now
-        time.sleep(0.2)
-    assert promoted is not None, f"the sentinels promoted no replica within 40 s: {log}"
-    assert served_again is not None, f"the tier missed for 40 s after the kill: {log}"
-    assert served_again - promoted <= FOLLOW_WITHIN_S, log
-    print(f"sentinel failover: promoted {promoted - killed:.1f} s after the kill, served "
-          f"again {served_again - promoted:.1f} s after the promotion")  # fmt: skip
+
+    def promoted() -> bool:
+        return "role:master" in d.replica.cli("INFO", "replication")
+
+    to_promotion, to_served, log = watch_failover(b, N, promoted)
+    assert to_served <= FOLLOW_WITHIN_S, log
+    print(f"sentinel failover: promoted {to_promotion:.1f} s after the kill, served "
+          f"again {to_served:.1f} s after the promotion")  # fmt: skip
     fresh = range(N, N + 32)
     assert all(b.put([(key(i), payload(i)) for i in fresh]))
     assert int(d.replica.cli("DBSIZE")) == N + 32  # written to the promoted replica
