@@ -38,6 +38,11 @@ overrides it and says so in a class flag, so callers never probe with
 - ``available()``                False while the tier skips calls after a failure
                                   (a circuit breaker): its misses then say nothing
                                   about the medium, so the chain does not log it back up
+- ``may_contain(keys)``          from memory, no I/O (the scheduler thread calls it):
+                                  False where the key is surely not stored, so a
+                                  lookup misses at once instead of asking the tier;
+                                  meaningful when ``supports_local_index`` (the
+                                  default says True for every key: ask)
 
 ``stats()`` is for display (metrics labels, ``kvsdk inspect``); nothing reads
 control values out of it.
@@ -123,6 +128,9 @@ class Backend(ABC):
     tier does, so a read past its deadline never writes into caller memory)."""
     supports_scatter_gather: ClassVar[bool] = False
     """``put_parts`` / ``get_into_parts`` move a payload's parts as they are (no join)."""
+    supports_local_index: ClassVar[bool] = False
+    """``may_contain`` answers from a local index of what the tier holds (kept
+    current by this and other processes' stores and removals)."""
 
     @abstractmethod
     def exists(self, keys: Sequence[ChunkKey]) -> list[bool]: ...
@@ -168,6 +176,16 @@ class Backend(ABC):
         skipped for a backoff after a failure); the default (True) suits a
         backend that tries every call."""
         return True
+
+    def may_contain(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Per key, False where this tier surely does not hold it, from memory
+        alone: called on the scheduler thread between engine steps, so it must
+        not block, do I/O or take a lock another thread holds across I/O. A
+        stale index may only err towards True for keys it lost track of (the
+        later ``exists`` or ``get`` finds the truth) and towards False for keys
+        it has not heard of yet (a miss, never wrong bytes). The default (True
+        for every key) suits a tier without a local index."""
+        return [True] * len(keys)
 
     def close(self) -> None:
         return None
