@@ -1,4 +1,5 @@
-"""The vLLM adapter's ``kvsdk`` commands: ``demo``, ``bench serve``, ``bench faults``
+"""The vLLM adapter's ``kvsdk`` commands: ``demo``, ``bench serve``, ``bench faults``,
+``bench fleet``
 and ``config check --engine vllm`` (with ``--model DIR``: the host tier against
 one chunk of that model, :mod:`kvsdk.plugins.vllm.model_geometry`).
 
@@ -19,6 +20,14 @@ from pathlib import Path
 from kvsdk.commands import CommandRegistry, ModelArgs
 from kvsdk.config import ConfigError, KVSDKConfig
 from kvsdk.hooks import hookimpl
+
+_FLEET_CONFIGS = (  # kvsdk.plugins.vllm.workloads.fleet_configs.DEFAULT_CONFIGS (no vLLM import)
+    "none-rr",
+    "none-cache_aware",
+    "kvsdk-redis-rr",
+    "kvsdk-redis-cache_aware",
+    "kvsdk-disk-rr",
+)
 
 
 def _serve_model(model_dir: str) -> str:
@@ -106,6 +115,69 @@ def _bench_serve(args: argparse.Namespace) -> int:
     )
     print(bench_serve.format_report(result))
     print(f"\nJSON: {args.out}  plot: {Path(args.out).with_suffix('.png')}")
+    return 0
+
+
+def _bench_fleet(args: argparse.Namespace) -> int:
+    if _vllm_missing("bench fleet"):
+        return 2
+    from kvsdk.plugins.vllm.workloads import bench_fleet, fleet_configs, fleet_report
+    from kvsdk.plugins.vllm.workloads.fleet_procs import router_binary
+    from kvsdk.plugins.vllm.workloads.fleet_workload import Workload
+    from kvsdk.plugins.vllm.workloads.tiny_model import make_tiny_llama
+
+    if router_binary() is None:
+        print(
+            "kvsdk bench fleet needs vllm-router (scripts/install_vllm_router.sh)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        configs = fleet_configs.parse_configs(args.configs)
+    except ValueError as exc:
+        print(f"kvsdk bench fleet: --configs: {exc}", file=sys.stderr)
+        return 2
+    heads = max(1, args.hidden // 128)  # head_dim 128; two query heads per KV head
+    model_info = {"layers": args.layers, "hidden": args.hidden, "heads": heads,
+                  "kv_heads": max(1, heads // 2), "dtype": "float32"}  # fmt: skip
+    w = Workload(
+        users=args.users,
+        rounds=args.rounds,
+        system_tokens=args.system_tokens,
+        user_tokens=args.user_tokens,
+        answer_tokens=args.answer_tokens,
+        max_tokens=args.max_tokens,
+        concurrency=args.concurrency,
+        seed=args.seed,
+    )
+    max_model_len = max(4096, w.max_prompt() + w.max_tokens)
+    model_dir = args.model_dir or f"out/models/fleet-llama-{args.layers}x{args.hidden}"
+    model = str(
+        make_tiny_llama(
+            model_dir,
+            seed=0,
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=heads,
+            num_kv_heads=model_info["kv_heads"],
+            max_position_embeddings=max_model_len,
+            tokenizer=True,
+        )
+    )
+    settings = bench_fleet.FleetSettings(
+        host_bytes=args.host_tier_mib << 20,
+        kv_cache_gib=args.kv_cache_gib,
+        redis_maxmemory=args.redis_maxmemory,
+        max_model_len=max_model_len,
+        pin=not args.no_pin,
+    )
+    out = Path(args.out)
+    result = bench_fleet.run_bench(
+        model, out, configs, w, settings, passes=args.passes,
+        progress=not args.no_progress, model_info=model_info,
+    )  # fmt: skip
+    print(fleet_report.format_report(result))
+    print(f"\nJSON: {out}  plot: {out.with_suffix('.png')}  logs: {result['logs']}")
     return 0
 
 
@@ -214,3 +286,35 @@ def kvsdk_register_commands(commands: CommandRegistry) -> None:
     serve.add_argument("--out", default="out/bench_serve.json")
     serve.add_argument("--model-dir", default="out/models/serve-llama")
     serve.add_argument("--no-progress", action="store_true")
+
+    fleet = commands.bench(
+        "fleet",
+        help="two vLLM engines behind vllm-router, with and without kvsdk's shared tier" + note,
+        run=_bench_fleet,
+    )
+    fleet.add_argument(
+        "--configs",
+        default=",".join(_FLEET_CONFIGS),
+        help="comma-separated: none-POLICY or kvsdk-TIER-POLICY (tiers: redis, disk; "
+        "policies: rr, cache_aware); none-rr always runs (the baseline)",
+    )
+    fleet.add_argument("--users", type=int, default=8)
+    fleet.add_argument("--rounds", type=int, default=5)
+    fleet.add_argument("--system-tokens", type=int, default=1000, help="per user")
+    fleet.add_argument("--user-tokens", type=int, default=200, help="new tokens per turn")
+    fleet.add_argument(
+        "--answer-tokens", type=int, default=100, help="an answer kept in the history"
+    )
+    fleet.add_argument("--max-tokens", type=int, default=16, help="tokens streamed per request")
+    fleet.add_argument("--concurrency", type=int, default=4, help="requests in flight at most")
+    fleet.add_argument("--passes", type=int, default=2, help="every config per pass, fresh engines")
+    fleet.add_argument("--seed", type=int, default=0)
+    fleet.add_argument("--layers", type=int, default=8, help="of the local random Llama")
+    fleet.add_argument("--hidden", type=int, default=1024, help="of the local random Llama")
+    fleet.add_argument("--host-tier-mib", type=int, default=1024, help="kvsdk host tier per engine")
+    fleet.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
+    fleet.add_argument("--redis-maxmemory", default="6gb")
+    fleet.add_argument("--no-pin", action="store_true", help="do not pin each engine to a core")
+    fleet.add_argument("--out", default="out/bench_fleet.json")
+    fleet.add_argument("--model-dir", help="default: out/models/fleet-llama-LAYERSxHIDDEN")
+    fleet.add_argument("--no-progress", action="store_true")

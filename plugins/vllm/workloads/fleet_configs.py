@@ -1,0 +1,169 @@
+"""The configurations ``kvsdk bench fleet`` runs: a table, not code per row.
+
+A configuration is a kvsdk tier below the host tier (or no connector) and a
+router policy. Tiers (:data:`TIERS`) and policies (:data:`POLICIES`) are
+tables of their own: a new shared tier is one :class:`TierSpec` (how to
+start what it needs once, how to empty it before a run, the kvsdk tier entry
+the engines get), a new policy one :class:`PolicySpec` (the router's
+``--policy`` and any extra arguments it needs from the engines, e.g. KV event
+endpoints). Any ``TIER-POLICY`` name of the two tables is a configuration
+(``none`` for no connector); :data:`DEFAULT_CONFIGS` are the issue's five.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvsdk.plugins.vllm.workloads.fleet_procs import Procs, start_redis
+
+DEFAULT_CONFIGS = (
+    "none-rr",
+    "none-cache_aware",
+    "kvsdk-redis-rr",
+    "kvsdk-redis-cache_aware",
+    "kvsdk-disk-rr",
+)
+BASELINES = ("none-rr", "none-cache_aware")
+
+
+@dataclass
+class Shared:
+    """What every run of a bench shares: long-lived servers (the Redis tier's),
+    a work directory, the bench's settings for the tiers."""
+
+    workdir: Path
+    procs: Procs
+    redis_maxmemory: str = "6gb"
+    redis_policy: str = "allkeys-lru"
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+class TierSpec:
+    """One kvsdk tier below the host tier, shared by both engines."""
+
+    name = ""
+
+    def open(self, shared: Shared) -> None:
+        """Start what the tier needs, once per bench (before its first run)."""
+
+    def reset(self, shared: Shared) -> None:
+        """Empty the tier before a run (each configuration starts cold)."""
+
+    def tier(self, shared: Shared) -> dict[str, Any]:
+        """The tier's entry in kvsdk's ``tiers`` list."""
+        raise NotImplementedError
+
+
+class RedisTier(TierSpec):
+    """One loopback ``redis-server`` (``maxmemory``, ``allkeys-lru``), flushed per run."""
+
+    name = "redis"
+
+    def open(self, shared: Shared) -> None:
+        if "redis_port" not in shared.state:
+            proc, port = start_redis(shared.workdir, shared.redis_maxmemory, shared.redis_policy)
+            shared.procs.add(proc)
+            shared.state["redis_port"] = port
+
+    def reset(self, shared: Shared) -> None:
+        import redis
+
+        client = redis.Redis(port=shared.state["redis_port"])
+        try:
+            client.flushall()
+        finally:
+            client.close()
+
+    def tier(self, shared: Shared) -> dict[str, Any]:
+        return {"backend": "redis", "url": f"redis://127.0.0.1:{shared.state['redis_port']}/0"}
+
+
+class DiskTier(TierSpec):
+    """One directory both engines use, emptied per run."""
+
+    name = "disk"
+
+    def path(self, shared: Shared) -> Path:
+        return shared.workdir / "kvsdk-disk"
+
+    def reset(self, shared: Shared) -> None:
+        shutil.rmtree(self.path(shared), ignore_errors=True)
+        self.path(shared).mkdir(parents=True)
+
+    def tier(self, shared: Shared) -> dict[str, Any]:
+        return {"backend": "disk", "path": str(self.path(shared))}
+
+
+TIERS: dict[str, TierSpec] = {t.name: t for t in (RedisTier(), DiskTier())}
+"""kvsdk tiers below the host tier, by name (``kvsdk-NAME-POLICY``)."""
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a policy may need from an engine: its URL and index."""
+
+    index: int
+    url: str
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A router policy: ``--policy VALUE`` and arguments built from the engines."""
+
+    value: str
+    router_args: Callable[[list[EngineInfo]], list[str]] = lambda engines: []
+
+
+POLICIES: dict[str, PolicySpec] = {
+    "rr": PolicySpec("round_robin"),
+    "cache_aware": PolicySpec("cache_aware"),
+}
+"""Router policies, by the short name configurations use."""
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    name: str
+    tier: TierSpec | None  # None: no connector
+    policy: PolicySpec
+
+    def kv_transfer(
+        self, shared: Shared, host_bytes: int, metrics_port: int
+    ) -> dict[str, Any] | None:
+        """vLLM's ``--kv-transfer-config`` (None: no connector): kvsdk's defaults
+        but a host tier of ``host_bytes`` and this tier below it; its exporter
+        on ``metrics_port`` (the lookup-wait histogram is served there only)."""
+        if self.tier is None:
+            return None
+        config = {
+            "tiers": [{"backend": "cpu", "capacity": host_bytes}, self.tier.tier(shared)],
+            "metrics": {"prometheus_port": metrics_port},
+        }
+        return {
+            "kv_connector": "KVSDKConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"config": config},
+        }
+
+
+def parse_config(name: str) -> FleetConfig:
+    """``none-POLICY`` or ``kvsdk-TIER-POLICY``; names the choices when wrong."""
+    choices = [f"none-{p}" for p in POLICIES] + [f"kvsdk-{t}-{p}" for t in TIERS for p in POLICIES]
+    for policy_name, policy in POLICIES.items():
+        if name == f"none-{policy_name}":
+            return FleetConfig(name, None, policy)
+        for tier_name, tier in TIERS.items():
+            if name == f"kvsdk-{tier_name}-{policy_name}":
+                return FleetConfig(name, tier, policy)
+    raise ValueError(f"unknown fleet config {name!r}; expected one of {', '.join(choices)}")
+
+
+def parse_configs(text: str) -> list[FleetConfig]:
+    """A comma-separated list; ``none-rr`` (the baseline) is run first, added if absent."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    names = ["none-rr", *(n for n in names if n != "none-rr")]
+    return [parse_config(n) for n in dict.fromkeys(names)]

@@ -1,0 +1,192 @@
+"""The processes of ``kvsdk bench fleet``: vLLM's OpenAI servers, the router,
+a Redis server; each started in a session of its own and stopped with its
+whole process group (an API server's EngineCore and model worker too).
+
+:class:`Proc` is one such process; :class:`Procs` stops every process it
+started, newest first, whatever the run ended in (an error, Ctrl-C, SIGTERM:
+see :func:`sigterm_as_interrupt`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROUTER_BIN = "vllm-router"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def router_binary() -> str | None:
+    """``vllm-router`` beside this interpreter (the project venv), else on PATH."""
+    here = Path(sys.executable).with_name(ROUTER_BIN)
+    return str(here) if here.exists() else shutil.which(ROUTER_BIN)
+
+
+class Proc:
+    """One process (group) with its log file."""
+
+    def __init__(
+        self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_dir / f"{name}.log"
+        with self.log_path.open("w") as log:
+            self.proc = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})},
+                cwd=log_dir,
+                start_new_session=True,  # Ctrl-C reaches us, not it: we stop it ourselves
+            )
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(
+                f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}"
+            )
+
+    def wait_http(self, url: str, timeout: float) -> float:
+        """Seconds until ``GET url`` answers 200; raises with the log's tail otherwise."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            self.check_alive()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return time.monotonic() - start
+            time.sleep(0.5)
+        raise TimeoutError(
+            f"{self.name}: {url} not ready after {timeout:.0f} s:\n{self.log_tail()}"
+        )
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM, then SIGKILL to whatever of its process group is left."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+
+
+class Procs:
+    """The processes of one run; :meth:`close` stops them all, newest first."""
+
+    def __init__(self) -> None:
+        self.procs: list[Proc] = []
+
+    def add(self, proc: Proc) -> Proc:
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        while self.procs:
+            self.procs.pop().stop()
+
+    def __enter__(self) -> Procs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt (in the main thread), so ``finally``
+    blocks stop the fleet as they do on Ctrl-C."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def engine_argv(
+    model: str, port: int, kv_transfer: dict[str, Any] | None, max_model_len: int
+) -> list[str]:
+    """vLLM's OpenAI server at its defaults (default executor, block size), as the
+    README starts it; prompts are token ids, outputs read as token ids."""
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model, "--host", "127.0.0.1", "--port", str(port),
+        "--enable-prompt-tokens-details", "--dtype", "float32",
+        "--max-model-len", str(max_model_len), "--enforce-eager", "--seed", "0",
+    ]  # fmt: skip
+    if kv_transfer is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer)]
+    return argv
+
+
+def pinned(argv: list[str], core: int | None) -> tuple[list[str], dict[str, str]]:
+    """``argv`` on one core (``taskset``; OpenMP bound there with one thread),
+    or unpinned with one OpenMP thread when ``core`` is None."""
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    if core is None or shutil.which("taskset") is None:
+        return argv, {**env, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    return ["taskset", "-c", str(core), *argv], {**env, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+
+
+def start_redis(log_dir: Path, maxmemory: str, policy: str) -> tuple[Proc, int]:
+    """A loopback ``redis-server`` without persistence, LRU over ``maxmemory``."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+    port = free_port()
+    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", str(log_dir), "--maxmemory", maxmemory,
+            "--maxmemory-policy", policy]  # fmt: skip
+    proc = Proc("redis", argv, log_dir)
+    deadline = time.monotonic() + 15
+    while True:
+        proc.check_alive()
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return proc, port
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"redis-server on port {port} did not answer:\n{proc.log_tail()}")
+        time.sleep(0.05)
+
+
+def router_argv(port: int, workers: list[str], policy: str, extra: list[str]) -> list[str]:
+    exe = router_binary()
+    if exe is None:
+        raise RuntimeError("vllm-router is not installed (scripts/install_vllm_router.sh)")
+    return [
+        exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+        "--policy", policy, "--worker-startup-check-interval", "1", *extra,
+    ]  # fmt: skip
