@@ -221,7 +221,17 @@ class KVSDKConfig:
     frames and keys in shared tiers; or set ``KVSDK_SECRET`` (not both). See
     docs/security.md."""
     io_threads: int = 4
-    """Threads that talk to the slower tiers (the scheduler never waits on them)."""
+    """Threads that talk to the slower tiers."""
+    lookup_wait_ms: float = 5.0
+    """Time the scheduler may wait in one step, all requests together, for the
+    slower tiers to say whether they hold a request's chunks (a disk's
+    ``lstat``, a Redis ``EXISTS`` on a quiet server take well under it). An
+    answer in time schedules a request that cannot hit at once; past it the
+    request asks again at the next step (and loads what was found). While the
+    tiers' recent answers took longer than this on average, the scheduler does
+    not wait at all. Tiers with a local index (Redis) answer a chunk they
+    surely lack without asking their server. ``0``: never wait: every lookup
+    that misses host RAM defers its request a step."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Counters and histograms; an optional Prometheus endpoint."""
     events: EventsConfig = field(default_factory=EventsConfig)
@@ -479,6 +489,10 @@ def _check(
         raise ConfigError(f"events.max_pending: got {cfg.events.max_pending}; expected at least 1")
     if cfg.io_threads < 1:
         raise ConfigError(f"io_threads: got {cfg.io_threads}; expected at least 1")
+    if not 0 <= cfg.lookup_wait_ms <= 1000:
+        raise ConfigError(
+            f"lookup_wait_ms: got {cfg.lookup_wait_ms}; expected milliseconds from 0 to 1000"
+        )
 
 
 # -- JSON Schema -----------------------------------------------------------------------------

@@ -28,6 +28,8 @@ COUNTERS = {
     "kvsdk_lookup_hits_total": "Chunk lookups answered HIT, by tier",
     "kvsdk_lookup_misses_total": "Chunk lookups answered MISS",
     "kvsdk_lookup_deferred_total": "Chunk lookups answered HIT_PENDING or RETRY",
+    "kvsdk_lookup_index_misses_total": "Chunk lookups a slower tier's local index answered MISS",
+    "kvsdk_lookup_waits_total": "Waits for slower tiers' lookups within a step, by outcome",
     "kvsdk_hit_tokens_total": "Tokens the planner promised to load",
     "kvsdk_stored_bytes_total": "Bytes stored, by tier",
     "kvsdk_loaded_bytes_total": "Bytes loaded into the engine or promoted, by tier",

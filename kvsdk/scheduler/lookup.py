@@ -43,8 +43,31 @@ class Lookups:
     ) -> int | None:
         """Tokens of ``r`` (its keys derived) beyond ``r.num_computed_local``
         that can be loaded; None: ask again."""
-        computed = r.num_computed_local
         start = time.perf_counter()
+        hit = self._plan(req_id, r, max_num_new_tokens, being_loaded)
+        if hit is None and self.store.settle_queries():
+            try:  # the slower tiers answered within the step's wait: ask again
+                hit = self._plan(req_id, r, max_num_new_tokens, being_loaded)
+            finally:
+                self.store.end_settled()
+        now = time.perf_counter()
+        self._sync_delays.append(now - start)
+        if hit is None:
+            if r.deferred_since is None:
+                r.deferred_since = start
+            return None
+        self.end_deferral(r, now)
+        self._hit_tokens += hit
+        return hit
+
+    def _plan(
+        self,
+        req_id: ReqId,
+        r: RequestState,
+        max_num_new_tokens: int | None,
+        being_loaded: BeingLoaded,
+    ) -> int | None:
+        computed = r.num_computed_local
         lookup, lookup_run = self._store_lookups(r.tenant)
         plan = self.planner.plan(
             PlanRequest(
@@ -60,20 +83,12 @@ class Lookups:
             being_loaded=being_loaded,
             lookup_run=lookup_run,
         )
-        hit = (
-            None
-            if plan is None
-            else self._with_tail(r, computed, plan.num_hit_tokens, being_loaded, lookup)
-        )
-        now = time.perf_counter()
-        self._sync_delays.append(now - start)
-        if hit is None:
-            if r.deferred_since is None:
-                r.deferred_since = start
+        if plan is None:
+            if r.tail is not None:  # its query and promotion go with the chunks'
+                for key in r.tail.keys:
+                    lookup(key)
             return None
-        self.end_deferral(r, now)
-        self._hit_tokens += hit
-        return hit
+        return self._with_tail(r, computed, plan.num_hit_tokens, being_loaded, lookup)
 
     def _store_lookups(self, tenant: str) -> tuple[LookupFn, LookupRunFn]:
         """The store's lookups for ``tenant``'s request: what they promote is charged
@@ -90,8 +105,8 @@ class Lookups:
         hit: int,
         being_loaded: BeingLoaded,
         lookup: LookupFn,
-    ) -> int | None:
-        """``hit`` extended by the prompt's tail (None: ask again)."""
+    ) -> int:
+        """``hit`` extended by the prompt's tail where it is readable now."""
         t = r.tail
         if t is None or not t.start <= computed + hit < t.end:
             return hit
@@ -99,8 +114,10 @@ class Lookups:
             return hit  # the request grew past its prompt: a whole chunk is named there now
         if self.max_load_tokens is not None and t.end - computed > self.max_load_tokens:
             return hit
-        served = tail_lookup(t, lookup, being_loaded)
-        return None if served is None else (t.end - computed if served else hit)
+        # A tail on its way up from a slower tier is not waited for: it saves less
+        # than a block of compute, and a deferred request loses a whole engine step
+        # (its promotion goes on: a repeat finds it in host RAM).
+        return t.end - computed if tail_lookup(t, lookup, being_loaded) else hit
 
     def end_deferral(self, r: RequestState, now: float | None = None) -> None:
         """``r``'s lookups, if any was deferred, end: their delay until

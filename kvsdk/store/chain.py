@@ -147,6 +147,22 @@ class TierChain:
     def __len__(self) -> int:
         return len(self.tiers)
 
+    @property
+    def all_indexed(self) -> bool:
+        """Whether every tier answers ``may_contain`` from a local index."""
+        return bool(self.tiers) and all(t.supports_local_index for t in self.tiers)
+
+    def may_contain(self, key: ChunkKey) -> bool:
+        """Whether any tier's local index holds ``key`` possibly (no I/O; a tier
+        whose index fails to answer says yes: it is asked)."""
+        for tier in self.tiers:
+            try:
+                if tier.may_contain((key,))[0]:
+                    return True
+            except Exception:
+                return True
+        return False
+
     # -- I/O primitives ------------------------------------------------------------------
     def locate(self, keys: Sequence[ChunkKey]) -> list[int]:
         """The number of the first tier holding each key (-1: none)."""

@@ -120,6 +120,7 @@ def build_store(
         tenant_quotas=config.tenant_quotas,
         tail_share=config.prompt_tail_share,
         io_threads=config.io_threads,
+        lookup_wait_s=config.lookup_wait_ms / 1000,
     )
 
 

@@ -15,6 +15,10 @@ Primitives, in the order an adapter calls them:
 - ``complete_store(keys)``  entries become readable (or are dropped on failure)
                              and are written through to slower tiers
 - ``touch(keys)``           recency for eviction
+- ``settle_queries()``      after a lookup answered RETRY: ask the slower tiers
+                             now and wait for them, up to what is left of the
+                             step's ``lookup_wait_s``; True if they answered (a
+                             second lookup then says MISS or HIT_PENDING)
 - ``step()``                once per scheduler step: send batched lookups to
                              slower tiers, apply finished I/O, publish events
 - ``reset()``               this instance's view is dropped (host tier,
@@ -27,7 +31,10 @@ index. The slower tiers (a :class:`~kvsdk.store.chain.TierChain`) are called
 only from the I/O pool, with bytes going to and from slots that are reserved
 (not readable) or pinned (not evictable), so the two never race; what the
 I/O found is booked on the scheduler thread (``step``). The scheduler never
-waits for a slow tier.
+waits for a slow tier longer than ``lookup_wait_s`` per step (whether a chunk
+is there at all: a disk's ``lstat``, a Redis ``EXISTS``), and a tier with a
+local index (``Backend.may_contain``) answers a chunk it surely lacks at once,
+so a request that cannot hit is not deferred a step.
 """
 
 from __future__ import annotations
@@ -109,6 +116,8 @@ TAIL_OWNER = "\0prompt tails"
 class TieredStore:
     ABSENT_TTL_S = 1.0
     """A slow-tier miss is remembered this long (another instance may store it later)."""
+    QUERY_S_WEIGHT = 0.25
+    """Weight of the latest query's duration in the moving average of them."""
     MAX_WRITES_IN_FLIGHT = 256
     """Write-through batches in flight; beyond it new write-throughs are dropped (counted)."""
 
@@ -124,6 +133,7 @@ class TieredStore:
         io_threads: int = 4,
         tenant_quotas: Mapping[str, float] | Sequence[tuple[str, float]] | None = None,
         tail_share: float = 1.0,
+        lookup_wait_s: float = 0.005,
     ) -> None:
         self.host = host
         self.lower = tuple(lower)
@@ -139,6 +149,11 @@ class TieredStore:
         self._lookup_counts: OrderedDict[ChunkKey, int] = OrderedDict()
         self._remote: dict[ChunkKey, _Remote] = {}
         self._to_query: list[ChunkKey] = []
+        self.lookup_wait_s = lookup_wait_s
+        """Time the scheduler thread may wait per step for slower tiers to answer lookups."""
+        self._wait_left = lookup_wait_s
+        self._query_s = 0.0
+        """Moving average of how long the slower tiers take to answer a query."""
         self._query_account: dict[ChunkKey, str] = {}
         """The quota account a queried key's promotion is charged to (with ``tenant_quotas``)."""
         self._io: list[_IO] = []
@@ -153,11 +168,17 @@ class TieredStore:
         self._lower_owned: dict[tuple[int, str], OrderedDict[ChunkKey, None]] = {}
         self._lower_capacity: dict[int, int] = {}
         self._hits = self._misses = self._deferred = 0  # flushed to metrics by step()
+        self._index_misses = self._settled = self._unsettled = 0
+        self._settled_now = False
+        """A request's lookups are asked again after ``settle_queries``: not counted
+        twice for ``min_lookups``."""
         self._pool = (
             ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvsdk-io")
             if self.lower
             else None
         )
+        self._indexed = self.chain.all_indexed
+        """Every slower tier answers ``may_contain`` from memory."""
         if self.lower:
             self.metrics.add_gauge_source(self.tier_stats)
 
@@ -174,7 +195,7 @@ class TieredStore:
     def lookup(self, key: ChunkKey, tenant: str = "") -> LookupResult:
         """Where ``key`` is, for ``tenant``'s request: a key found in a slower tier
         is promoted into host slots charged to ``tenant``'s quota account."""
-        if self.min_lookups:
+        if self.min_lookups and not self._settled_now:
             self._count_lookup(key)
         if self.host.slot_of(key) is not None:
             self._hits += 1
@@ -193,6 +214,11 @@ class TieredStore:
             remote.state is RemoteState.ABSENT
             and time.monotonic() - remote.since > self.ABSENT_TTL_S
         ):
+            if self._indexed and not self.chain.may_contain(key):
+                self._remote[key] = _Remote(RemoteState.ABSENT, time.monotonic())
+                self._misses += 1
+                self._index_misses += 1
+                return LookupResult.MISS
             self._remote[key] = _Remote(RemoteState.QUERYING, time.monotonic())
             self._to_query.append(key)
             if self.tenant_quotas:
@@ -229,6 +255,58 @@ class TieredStore:
                 hit_end = i
             i += 1
         return i, i if hit_end < 0 else hit_end
+
+    def settle_queries(self) -> bool:
+        """Ask the slower tiers about the keys lookups queued (RETRY) now, and
+        wait for the answer up to what is left of this step's ``lookup_wait_s``.
+        True if it came in time and is booked (those keys' lookups now say MISS
+        or HIT_PENDING); False leaves the question to the I/O pool, answered at
+        a later step, as without waiting. While the tiers' recent answers took
+        longer than the wait on average, it does not wait at all."""
+        if not self._to_query or self._wait_left <= 0 or self._pool is None:
+            return False
+        if self._query_s > self.lookup_wait_s:
+            return False  # the tiers have been answering slower than the wait: don't
+        keys, self._to_query = self._to_query, []
+        start = time.perf_counter()
+        fut: Future[Any] = self._pool.submit(self._locate, keys)
+        io = _IO(IOKind.QUERY, keys, fut, self._generation)
+        try:
+            result = fut.result(timeout=self._wait_left)
+        except TimeoutError:
+            self._io.append(io)  # booked by _reap when it ends
+            self._wait_left = 0.0
+            self._unsettled += 1
+            return False
+        except Exception as exc:  # a bug in a backend: never crash serving
+            log.exception("kvsdk I/O job failed: %s", exc)
+            result = None
+        finally:
+            self._wait_left -= time.perf_counter() - start
+        self._apply_query(keys, self._timed(result))
+        self._settled += 1
+        self._settled_now = True
+        return True
+
+    def _locate(self, keys: list[ChunkKey]) -> tuple[list[int], float]:
+        """I/O thread: which tier holds each key, and how long asking took."""
+        start = time.perf_counter()
+        where = self.chain.locate(keys)
+        return where, time.perf_counter() - start
+
+    def _timed(self, result: tuple[list[int], float] | None) -> list[int] | None:
+        """A query's answer; its duration goes into the moving average
+        ``settle_queries`` compares with the wait."""
+        if result is None:
+            return None
+        where, seconds = result
+        self._query_s += self.QUERY_S_WEIGHT * (seconds - self._query_s)
+        return where
+
+    def end_settled(self) -> None:
+        """The lookups asked again after ``settle_queries`` are done (counted again
+        for ``min_lookups`` from here on)."""
+        self._settled_now = False
 
     def _count_lookup(self, key: ChunkKey) -> None:
         self._lookup_counts[key] = self._lookup_counts.get(key, 0) + 1
@@ -347,11 +425,12 @@ class TieredStore:
     def step(self) -> None:
         """Once per scheduler step: apply finished I/O, then send this step's lookups."""
         self.flush_metrics()
+        self._wait_left = self.lookup_wait_s
         if self.lower:
             self._reap()
             if self._to_query:
                 keys, self._to_query = self._to_query, []
-                self._submit(IOKind.QUERY, keys, self.chain.locate, keys)
+                self._submit(IOKind.QUERY, keys, self._locate, keys)
         self.events.publish()
 
     def flush_metrics(self) -> None:
@@ -364,7 +443,14 @@ class TieredStore:
             self.metrics.inc("kvsdk_lookup_deferred_total", self._deferred)
         if self.second_sight is not None and self.second_sight.skipped:
             self.metrics.inc("kvsdk_admission_skipped_total", self.second_sight.take_skipped())
+        if self._index_misses:
+            self.metrics.inc("kvsdk_lookup_index_misses_total", self._index_misses)
+        if self._settled:
+            self.metrics.inc("kvsdk_lookup_waits_total", self._settled, outcome="answered")
+        if self._unsettled:
+            self.metrics.inc("kvsdk_lookup_waits_total", self._unsettled, outcome="timed_out")
         self._hits = self._misses = self._deferred = 0
+        self._index_misses = self._settled = self._unsettled = 0
 
     def _charge_lower(self, t: int, tenant: str, keys: list[ChunkKey]) -> None:
         """A tenant over its share of slower tier ``t`` loses its own oldest chunks there
@@ -464,7 +550,7 @@ class TieredStore:
             if io.generation != self._generation:
                 continue  # issued before a reset: its answers are stale
             if io.kind is IOKind.QUERY:
-                self._apply_query(io.keys, result)
+                self._apply_query(io.keys, self._timed(result))
             elif io.kind is IOKind.PROMOTE:
                 self._apply_promote(io, result)
         self._io = pending

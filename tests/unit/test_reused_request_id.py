@@ -110,15 +110,18 @@ def refuse_a_live_id() -> None:
     import pytest
 
     s = make()
-    live = chain(2, b"live")
-    s.add_request("r", num_prompt_tokens=8, block_hashes=live)
-    assert s.lookup("r", 0) == 0
-    with pytest.raises(ValueError, match=r"request id 'r' is still live"):
-        s.add_request("r", num_prompt_tokens=9, block_hashes=chain(2, b"other"))
-    assert s.has_request("r")
-    jobs = s.build_step(computed_after_step={"r": 8}, new_block_ids={"r": [[1, 2]]},
-                        replace_block_ids=["r"])  # fmt: skip
-    assert {keys for keys, _ in job_keys(s, jobs)} == {tuple(keys_of(s, live))}
+    try:
+        live = chain(2, b"live")
+        s.add_request("r", num_prompt_tokens=8, block_hashes=live)
+        assert s.lookup("r", 0) == 0
+        with pytest.raises(ValueError, match=r"request id 'r' is still live"):
+            s.add_request("r", num_prompt_tokens=9, block_hashes=chain(2, b"other"))
+        assert s.has_request("r")
+        jobs = s.build_step(computed_after_step={"r": 8}, new_block_ids={"r": [[1, 2]]},
+                            replace_block_ids=["r"])  # fmt: skip
+        assert {keys for keys, _ in job_keys(s, jobs)} == {tuple(keys_of(s, live))}
+    finally:  # (its store's threads stopped before the interpreter exits)
+        s.store.shutdown()
 
 
 def test_an_id_reused_while_its_request_is_live_is_refused() -> None:
