@@ -93,6 +93,7 @@ class FaultyBackend(Backend):
         self.supports_listing = self.inner.supports_listing  # type: ignore[misc]
         self.supports_get_into = self.inner.supports_get_into  # type: ignore[misc]
         self.supports_scatter_gather = self.inner.supports_scatter_gather  # type: ignore[misc]
+        self.supports_local_index = self.inner.supports_local_index  # type: ignore[misc]
         self.o = options
         self._ns = context.namespace_fp
         self._mac = context.frame_key
@@ -209,6 +210,9 @@ class FaultyBackend(Backend):
     def error_count(self) -> int:
         """The wrapped tier's (injected errors raise: the caller counts them)."""
         return self.inner.error_count()
+
+    def may_contain(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return self.inner.may_contain(keys)  # memory only: no fault, no latency
 
     def available(self) -> bool:
         return self.inner.available()

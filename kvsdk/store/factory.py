@@ -192,6 +192,7 @@ class StoreHandle:
         except BaseException:
             self.close()
             raise
+        self.store.warm_up()
         return self.store
 
     def build_chain(

@@ -109,6 +109,18 @@ class _IO:
     extra: dict[str, object] = field(default_factory=dict)
 
 
+WARM_UP_KEY = bytes(32)
+"""The key the slower tiers are first asked about (no chunk is named so)."""
+
+def _warm_up(tier: Backend) -> None:
+    """I/O thread: ask ``tier`` about a key once (its failure, if any, is met and
+    counted by the first real call)."""
+    try:
+        tier.exists([WARM_UP_KEY])
+    except Exception:
+        pass
+
+
 TAIL_OWNER = "\0prompt tails"
 """The host-tier owner prompt tails are reserved under (no tenant can be named so)."""
 
@@ -307,6 +319,14 @@ class TieredStore:
         """The lookups asked again after ``settle_queries`` are done (counted again
         for ``min_lookups`` from here on)."""
         self._settled_now = False
+
+    def warm_up(self) -> None:
+        """Ask each slower tier about a key once, in the background, before any
+        request does: their one-time work (connections, a directory check,
+        threads) is not charged to the first lookup's wait."""
+        if self._pool is not None:
+            for tier in self.lower:
+                self._pool.submit(_warm_up, tier)
 
     def _count_lookup(self, key: ChunkKey) -> None:
         self._lookup_counts[key] = self._lookup_counts.get(key, 0) + 1
