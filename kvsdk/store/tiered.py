@@ -39,6 +39,7 @@ so a request that cannot hit is not deferred a step.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import time
@@ -112,13 +113,12 @@ class _IO:
 WARM_UP_KEY = bytes(32)
 """The key the slower tiers are first asked about (no chunk is named so)."""
 
+
 def _warm_up(tier: Backend) -> None:
     """I/O thread: ask ``tier`` about a key once (its failure, if any, is met and
     counted by the first real call)."""
-    try:
+    with contextlib.suppress(Exception):
         tier.exists([WARM_UP_KEY])
-    except Exception:
-        pass
 
 
 TAIL_OWNER = "\0prompt tails"
