@@ -56,6 +56,7 @@ from redis.exceptions import InvalidResponse
 from kvsdk.backend import Backend, BackendError, Buffer, TierContext
 from kvsdk.backends import redis_admin
 from kvsdk.backends.redis_health import Health
+from kvsdk.backends.redis_index import RedisIndex
 from kvsdk.backends.redis_options import RedisOptions, mask_url
 from kvsdk.backends.redis_routing import PAUSED, REFUSALS, SKIPPED, RoundTripFailed, Router
 from kvsdk.chunk_format import (
@@ -80,6 +81,8 @@ class RedisBackend(Backend):
     medium = Medium.REMOTE
     locality = Locality.CLUSTER
     supports_listing = True
+    supports_local_index = True
+    """With ``local_index`` (the default); without it ``may_contain`` says True."""
 
     def __init__(self, options: RedisOptions, context: TierContext) -> None:
         if len(context.namespace_fp) != FP_BYTES:
@@ -92,6 +95,15 @@ class RedisBackend(Backend):
         self._health = Health(options, log)
         self._where = self._health.where
         self._router = Router(options, self._health)
+        self._index = RedisIndex(options, self._prefix) if options.local_index else None
+
+    def may_contain(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """From the local index (:mod:`kvsdk.backends.redis_index`): False where
+        the tier surely lacks the key; True for every key until the index is
+        seeded (or with ``local_index: false``)."""
+        if self._index is None:
+            return [True] * len(keys)
+        return self._index.may_contain(keys)
 
     def _rkey(self, key: ChunkKey) -> bytes:
         return self._prefix + key.hex().encode()
@@ -125,9 +137,12 @@ class RedisBackend(Backend):
             replies = self._router.execute(rkeys, add, per_key=not standalone, valid=_value)
         out: list[Buffer | None] = []
         bad: list[ChunkKey] = []
+        absent: list[ChunkKey] = []
         hits = 0
         for key, reply in zip(keys, replies):
             if reply is SKIPPED or reply is None:
+                if reply is None:
+                    absent.append(key)  # the server answered: not there (evicted, expired)
                 out.append(None)
                 continue
             if isinstance(reply, Exception):
@@ -160,6 +175,11 @@ class RedisBackend(Backend):
                 out.append(None)
         self._health.count("hits", hits)
         self._health.count("misses", len(keys) - hits)
+        if self._index is not None:
+            if absent:
+                self._index.gone(absent)
+            if hits:
+                self._index.seen([k for k, v in zip(keys, out) if v is not None])
         if bad:
             self.delete(bad)
         return out
@@ -196,6 +216,8 @@ class RedisBackend(Backend):
         self._health.count("refused_bytes", refused)
         self._health.count("puts", sum(ok))
         self._health.count("put_failures", len(ok) - sum(ok))
+        if self._index is not None and any(ok):
+            self._index.stored([k for (k, _), stored in zip(items, ok) if stored])
         return ok
 
     def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -205,8 +227,12 @@ class RedisBackend(Backend):
             for i in part:
                 pipe.exists(rkeys[i])
 
-        return [r is not SKIPPED and not isinstance(r, Exception) and r == 1
-                for r in self._router.execute(rkeys, add, per_key=True)]  # fmt: skip
+        replies = self._router.execute(rkeys, add, per_key=True)
+        found = [r is not SKIPPED and not isinstance(r, Exception) and r == 1 for r in replies]
+        if self._index is not None:
+            self._index.gone([k for k, r in zip(keys, replies) if r is not SKIPPED and r == 0])
+            self._index.seen([k for k, f in zip(keys, found) if f])
+        return found
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         rkeys = [self._rkey(k) for k in keys]
@@ -215,8 +241,11 @@ class RedisBackend(Backend):
             for i in part:
                 pipe.unlink(rkeys[i])
 
-        n = sum(r for r in self._router.execute(rkeys, add, per_key=True) if isinstance(r, int))
+        replies = self._router.execute(rkeys, add, per_key=True)
+        n = sum(r for r in replies if isinstance(r, int))
         self._health.count("deletes", n)
+        if self._index is not None:  # (gone from the server, deleted here or before)
+            self._index.deleted([k for k, r in zip(keys, replies) if isinstance(r, int)])
         return n
 
     def _scan(self, name: str, client: Any) -> Iterator[bytes]:
@@ -250,6 +279,8 @@ class RedisBackend(Backend):
                     self._unlink_on(name, client, batch)
                     batch = []
             self._unlink_on(name, client, batch)
+        if self._index is not None:
+            self._index.cleared()
 
     def _unlink_on(self, name: str, client: Any, rkeys: list[bytes]) -> None:
         if not rkeys:
@@ -283,7 +314,10 @@ class RedisBackend(Backend):
         return self._health.counter("corrupt")
 
     def stats(self) -> dict[str, float]:
-        return self._health.stats()
+        out = self._health.stats()
+        if self._index is not None:
+            out.update(self._index.stats())
+        return out
 
     @classmethod
     def inventory(cls, options: Any) -> redis_admin.Inventory:
@@ -310,6 +344,8 @@ class RedisBackend(Backend):
         return self._health.available()
 
     def close(self) -> None:
+        if self._index is not None:
+            self._index.close()
         try:
             self._router.close()
         except Exception as exc:  # closing a dead connection

@@ -28,7 +28,8 @@ OUTAGE: tuple[type[BaseException], ...] = (
 COUNTERS = (
     "hits", "misses", "corrupt", "unverifiable", "oversized", "puts", "put_failures", "deletes",
     "skipped", "outages", "timeouts", "command_errors", "topology_refreshes", "errors",
-    "write_refusals", "writes_paused", "refused_bytes", "round_trips",
+    "write_refusals", "writes_paused", "refused_bytes", "round_trips", "retries",
+    "write_timeouts", "writes_yielded",
 )  # fmt: skip
 """The counters ``stats()`` reports, in its order."""
 
@@ -78,6 +79,8 @@ class Health:
         self._breakers: dict[str, Breaker] = {}
         self._write_pauses: dict[str, Breaker] = {}
         """Per server: writes paused after it refused them (OOM, READONLY, NOPERM)."""
+        self._write_stalls: dict[str, Breaker] = {}
+        """Per server: writes stalled after one timed out (reads go on)."""
         self._counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
 
     def redact(self, text: str) -> str:
@@ -89,6 +92,27 @@ class Health:
     def write_pause(self, name: str) -> Breaker:
         """Server ``name``'s write pause: open after it refused writes; reads go on."""
         return self._breaker_in(self._write_pauses, name)
+
+    def write_stall(self, name: str) -> Breaker:
+        """Server ``name``'s write stall: open after a write to it timed out."""
+        return self._breaker_in(self._write_stalls, name)
+
+    def write_timed_out(self, name: str, seconds: float) -> str:
+        """A write to server ``name`` got no complete answer within ``seconds``: a
+        busy server, not (yet) an outage. Its writes stall for a backoff while
+        its reads go on (its read breaker stays as it is); counted as
+        ``write_timeouts``, ``timeouts`` and ``errors``. Returns what happened."""
+        pause = self.write_stall(name).failed()
+        self.count("write_timeouts")
+        self.count("timeouts")
+        self.count("errors")
+        reason = f"a write got no complete answer within {seconds:.1f} s"
+        self.burst.warning(
+            f"write-timeout:{name}",
+            "redis tier %s: %s: %s; not writing to it for %.1fs, reads go on",
+            self.where, name, reason, pause,
+        )  # fmt: skip
+        return reason
 
     def _breaker_in(self, breakers: dict[str, Breaker], name: str) -> Breaker:
         b = breakers.get(name)
@@ -161,14 +185,18 @@ class Health:
             out = {k: float(v) for k, v in self._counters.items()}
             out["breakers_open"] = float(sum(b.is_open for b in self._breakers.values()))
             out["writes_paused_servers"] = float(
-                sum(b.is_open for b in self._write_pauses.values())
-            )
+                len({n for d in (self._write_pauses, self._write_stalls)
+                     for n, b in d.items() if b.is_open})
+            )  # fmt: skip
         return out
 
     def available(self) -> bool:
-        """False while a server is skipped for its backoff (a breaker open)."""
+        """False while a server is skipped for its backoff (a breaker open, or its
+        writes stalled after a timeout: puts are answered without asking it)."""
         with self._lock:
-            return not any(b.is_open for b in self._breakers.values())
+            return not any(
+                b.is_open for d in (self._breakers, self._write_stalls) for b in d.values()
+            )
 
 
 def what_failed(exc: BaseException) -> str:

@@ -63,6 +63,14 @@ class RedisOptions:
     backoff_initial: float = 0.5
     """Seconds the server is skipped after a failure; doubles per failure."""
     backoff_max: float = 30.0
+    local_index: bool = True
+    """Keep an index of the tier's keys in this process's memory (seeded by a SCAN
+    of the namespace, kept current across processes by what each publishes of its
+    puts), so a lookup of a chunk stored nowhere misses without asking Redis."""
+    local_index_max_entries: int = 1_000_000
+    """The most keys the local index holds (about 150 bytes each); beyond it the
+    least recently stored or seen are forgotten: their lookups miss (counted
+    ``index_dropped``)."""
 
     def __post_init__(self) -> None:
         problem = url_problem(self.url)
@@ -106,7 +114,7 @@ class RedisOptions:
         for name in ("socket_timeout", "connect_timeout", "backoff_initial", "backoff_max"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: got {getattr(self, name)}; expected a positive number")
-        for name in ("max_batch", "max_connections"):
+        for name in ("max_batch", "max_connections", "local_index_max_entries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: got {getattr(self, name)}; expected at least 1")
 

@@ -9,18 +9,34 @@ its replica, the refresh finds the new master and its slots are served again
 (a node that stops answering sends no MOVED to say so). The seed nodes are
 ``url`` and ``urls``: the client connects through any one that answers.
 
-Every round trip has a deadline as a whole (``socket_timeout`` bounds each
-read, not a reply a server drips a byte at a time): it runs on a thread of
-the tier's own (:class:`~kvsdk.backends.disk_reader.DeadlineReader`) and the
-caller waits at most ``connect_timeout + socket_timeout``, plus the time the
-bytes of the round trip take at :data:`MIN_BYTES_PER_S`. A round trip past
-its deadline, or failing in any way (a server that does not answer, a reply
-the client cannot parse), is a failure of its server: counted, its breaker
-opened and its sockets closed (which frees the thread still blocked in it),
-and its keys are misses."""
+Every round trip has a deadline as a whole, ``connect_timeout +
+socket_timeout`` plus the time its bytes take at :data:`MIN_BYTES_PER_S` (a
+conservative floor: a healthy server busy with other clients' large values
+still makes it): it runs on a thread of the tier's own
+(:class:`~kvsdk.backends.disk_reader.DeadlineReader`), the caller waits at
+most that long, and its connection's socket timeout is set to it for the
+round trip (so a busy server's late reply to a large batch is no timeout,
+while ``socket_timeout`` alone bounds nothing a server drips a byte at a
+time). A round trip that fails on a broken connection (``Connection closed
+by server``, ``Broken pipe``: a server closing idle or overloaded clients)
+is sent once more on a fresh connection (every command the tier pipelines
+is idempotent: EXISTS, GET, GETRANGE, SET of a framed value, EXPIRE,
+UNLINK). A read past its deadline, or failing in any way (a server that does
+not answer, a reply the client cannot parse), is a failure of its server:
+counted, its breaker opened, its own connection closed (which frees the
+thread still blocked in it; a connection error closes the server's idle
+ones too), and its keys are misses.
+
+Reads go before writes: while reads are in flight on a server, its writes
+(``put``, a write-through) go one at a time (a write waits for the one before,
+at most :data:`WRITE_YIELD_S`: ``writes_yielded``), and a
+write past its deadline stalls that server's writes for a backoff
+(``write_timeouts``; the keys not sent meanwhile count as ``writes_paused``)
+instead of opening the breaker its reads go through."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +50,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import BlockingConnectionPool
 from redis.exceptions import (
     AskError,
+    AuthenticationError,
     ClusterDownError,
     InvalidResponse,
     NoPermissionError,
@@ -41,6 +58,8 @@ from redis.exceptions import (
     ReadOnlyError,
     TryAgainError,
 )
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
@@ -61,9 +80,18 @@ TOPOLOGY = (AskError, ClusterDownError, TryAgainError)  # AskError covers MovedE
 TOPOLOGY_REFRESH_S = 1.0
 """Seconds at least between two slot map refreshes."""
 
-MIN_BYTES_PER_S = 64 << 20
-"""The slowest transfer a round trip's deadline allows for its bytes (sent and
-at most received), on top of ``connect_timeout + socket_timeout``."""
+MIN_BYTES_PER_S = 4 << 20
+"""The slowest transfer a round trip's deadline (and its socket timeout) allows
+for its bytes (sent and at most received), on top of ``connect_timeout +
+socket_timeout``: a server shared by many engines' I/O threads moving 4 MiB
+values gives each a share of its bandwidth (two vLLM engines measured 8 MiB
+round trips at about 22 MB/s), and stalls now and then (a slow command of
+another client, a fork, a congested link). An 8 MiB round trip gets 4 s at
+the defaults; a server that answers nothing is still found within the
+deadline of the first round trip it fails."""
+WRITE_YIELD_S = 1.0
+"""The longest a write waits for its turn while reads are in flight on its server
+(at most ``socket_timeout``)."""
 ROUND_TRIP_BYTES = 8 << 20
 """The most payload bytes one pipelined round trip moves (beyond its first key):
 a batch of large chunks is split, so no call holds a busy server (or its
@@ -116,6 +144,87 @@ def sentinel_master(o: RedisOptions, url: str, kwargs: dict[str, Any]) -> redis_
     return client
 
 
+def set_timeout(conn: Any, seconds: float) -> None:
+    """``conn``'s socket timeout (each read and write on it) for one round trip:
+    the socket's now, and the one it gets when it reconnects."""
+    conn.socket_timeout = seconds
+    sock = getattr(conn, "_sock", None)
+    if sock is not None:
+        sock.settimeout(seconds)
+    buffer = getattr(getattr(conn, "_parser", None), "_buffer", None)
+    if buffer is not None and hasattr(buffer, "socket_timeout"):
+        buffer.socket_timeout = seconds  # (restored after a can_read() probe)
+
+
+def retryable(exc: BaseException) -> bool:
+    """A broken connection (closed by the server, a broken pipe, reset): worth one
+    more try on a fresh connection. Not a timeout, nor refused credentials."""
+    return isinstance(exc, RedisConnectionError) and not isinstance(exc, AuthenticationError)
+
+
+class Lease:
+    """The connection one round trip holds, so that a caller giving up on it
+    (its deadline passed) closes that connection, and only it: the thread
+    still blocked in it gets an error and returns."""
+
+    __slots__ = ("_conn", "_lock", "abandoned")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._conn: Any = None
+        self.abandoned = False
+
+    def hold(self, conn: Any) -> bool:
+        """The round trip uses ``conn`` now; False when its caller gave up."""
+        with self._lock:
+            self._conn = conn
+            return not self.abandoned
+
+    def done(self) -> None:
+        with self._lock:
+            self._conn = None
+
+    def abandon(self) -> None:
+        with self._lock:
+            self.abandoned = True
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):  # best effort on a broken connection
+                conn.disconnect()
+
+
+class Gate:
+    """Reads first, per server: while reads are in flight, one write at a time
+    goes (the others wait, at most a bound), so writes never crowd out reads."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._reads = 0
+        self._writes = 0
+
+    def reading(self, delta: int) -> None:
+        with self._cond:
+            self._reads += delta
+            if not self._reads:
+                self._cond.notify_all()
+
+    def write_start(self, limit: float) -> bool:
+        """A write begins, after waiting (at most ``limit`` s) until no read is in
+        flight or no other write is; False when it waited."""
+        with self._cond:
+            waited = False
+            if self._reads and self._writes:
+                waited = True
+                self._cond.wait_for(lambda: not (self._reads and self._writes), timeout=limit)
+            self._writes += 1
+            return not waited
+
+    def write_end(self) -> None:
+        with self._cond:
+            self._writes -= 1
+            self._cond.notify_all()
+
+
 class RoundTripFailed(Exception):
     """A round trip failed or missed its deadline; already counted and reported
     (its server's breaker opened). ``reason``: what happened, password kept out."""
@@ -141,6 +250,7 @@ class Router:
         self._refresh_lock = threading.Lock()
         self._refresh_topology = False
         self._last_refresh = 0.0
+        self._gates: dict[str, Gate] = {}
         self.client: redis_py.Redis | None = None
         """The standalone server's client (None in Cluster mode)."""
         self.cluster: RedisCluster | None = None
@@ -169,29 +279,84 @@ class Router:
         if self.cluster is not None and name != "cluster":
             self._refresh_topology = True
 
-    def call(self, name: str, client: Any, fn: Callable[[], _T], nbytes: int = 0) -> _T:
+    def call(
+        self,
+        name: str,
+        client: Any,
+        fn: Callable[[], _T],
+        nbytes: int = 0,
+        *,
+        lease: Lease | None = None,
+        writes: bool = False,
+    ) -> _T:
         """``fn()`` (one round trip to server ``name``) within its deadline.
 
         Raises :class:`RoundTripFailed` when it fails in any way or misses its
-        deadline, after counting it, opening the server's breaker and closing
-        ``client``'s sockets (a thread still blocked in ``fn`` gets an error
-        and returns)."""
+        deadline, after counting it and opening the server's breaker (for
+        ``writes`` that timed out: stalling its writes instead). The thread
+        still blocked in ``fn`` is freed by closing the connection ``lease``
+        holds (without one, every socket of ``client``)."""
         seconds = self.deadline(nbytes)
         try:
             box = within(self._calls, fn, seconds)
         except Exception as exc:  # any failure: the server's (or its reply's), never raised
-            self._health.outage(name, client, exc)
+            if writes and isinstance(exc, RedisTimeoutError | TimeoutError):
+                raise RoundTripFailed(self._health.write_timed_out(name, seconds)) from None
+            # a timed-out connection is closed already; a broken one may have idle siblings
+            timed_out = isinstance(exc, RedisTimeoutError | TimeoutError)
+            self._health.outage(name, None if timed_out and lease else client, exc)
             self._node_out(name)
             raise RoundTripFailed(
                 f"{type(exc).__name__}: {self._health.redact(str(exc))}"
             ) from None
         if not box:
+            if lease is not None:
+                lease.abandon()
+            if writes:
+                raise RoundTripFailed(self._health.write_timed_out(name, seconds))
             self._node_out(name)
             late, workers = self._calls.late, self._calls.workers
             raise RoundTripFailed(
-                self._health.missed_deadline(name, client, seconds, late, workers)
+                self._health.missed_deadline(
+                    name, None if lease else client, seconds, late, workers
+                )
             )
         return box[0]
+
+    def round_trip(
+        self, client: Any, seconds: float, lease: Lease, send: Callable[[Any], _T]
+    ) -> _T:
+        """``send(pipeline)`` on a connection of ``client``'s pool leased for it,
+        its socket timeout ``seconds``; once more on a fresh connection when
+        the first breaks (see the module's docstring)."""
+        pool = client.connection_pool
+        for attempt in (0, 1):
+            conn = pool.get_connection()
+            if not lease.hold(conn):
+                pool.release(conn)
+                raise RedisTimeoutError("the round trip's deadline passed before its retry")
+            if attempt:
+                conn.disconnect()  # reconnects on its first command
+            set_timeout(conn, seconds)
+            pipe = client.pipeline(transaction=False)
+            pipe.connection = conn  # released to the pool by the pipeline's reset
+            try:
+                return send(pipe)
+            except Exception as exc:
+                if attempt or lease.abandoned or not retryable(exc):
+                    raise
+                self._health.count("retries")
+            finally:
+                lease.done()
+                pipe.reset()
+        raise AssertionError("unreachable")
+
+    def gate(self, name: str) -> Gate:
+        g = self._gates.get(name)
+        if g is None:
+            with self._refresh_lock:
+                g = self._gates.setdefault(name, Gate())
+        return g
 
     def cluster_client(self) -> RedisCluster | None:
         """The Cluster client, connecting it on first use; None while the
@@ -290,8 +455,14 @@ class Router:
         for name, client, positions in self.routes(rkeys):
             breaker = self._health.breaker(name)
             pause = self._health.write_pause(name) if writes else None
+            stall = self._health.write_stall(name) if writes else None
+            gate = self.gate(name)
             for part in self._round_trips(positions, key_bytes):
-                if pause is not None and not pause.allow():
+                if (
+                    pause is not None
+                    and stall is not None
+                    and not (pause.allow() and stall.allow())
+                ):
                     for i in part:
                         out[i] = PAUSED
                     self._health.count("writes_paused", len(part))
@@ -300,24 +471,43 @@ class Router:
                     self._node_out(name)
                     continue
                 nbytes = sum(map(key_bytes, part)) if key_bytes is not None else 0
-                self._health.count("round_trips")
+                lease = Lease()
 
-                def round_trip(client: Any = client, part: list[int] = part) -> list[Any]:
-                    pipe = client.pipeline(transaction=False)
+                def send(pipe: Any, part: list[int] = part) -> list[Any]:
                     add(pipe, part)
                     replies = pipe.execute(raise_on_error=False)
                     return self._per_key(replies, len(part), per_key, commands_per_key, valid)
 
+                def round_trip(
+                    client: Any = client,
+                    lease: Lease = lease,
+                    seconds: float = self.deadline(nbytes),
+                ) -> list[Any]:
+                    return self.round_trip(client, seconds, lease, send)
+
+                if writes:
+                    if not gate.write_start(min(WRITE_YIELD_S, self._options.socket_timeout)):
+                        self._health.count("writes_yielded")
+                else:
+                    gate.reading(1)
+                self._health.count("round_trips")
                 try:
-                    replies = self.call(name, client, round_trip, nbytes)
+                    replies = self.call(name, client, round_trip, nbytes, lease=lease,
+                                        writes=writes)  # fmt: skip
                 except RoundTripFailed:
                     continue
+                finally:
+                    if writes:
+                        gate.write_end()
+                    else:
+                        gate.reading(-1)
                 breaker.succeeded()
                 for i, reply in zip(part, replies, strict=True):
                     if isinstance(reply, TOPOLOGY):
                         self._refresh_topology = True
                     out[i] = reply
-                if pause is not None:
+                if pause is not None and stall is not None:
+                    stall.succeeded()
                     refused = next((r for r in replies if isinstance(r, REFUSALS)), None)
                     if refused is None:
                         pause.succeeded()
