@@ -24,6 +24,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "kvsdk.backends.cpu",
     "kvsdk.backends.disk",
     "kvsdk.backends.faulty",
+    "kvsdk.backends.mooncake",  # imports the Mooncake client only when a tier is built
     "kvsdk.transfer.cpu",
     "kvsdk.transfer.cuda",
 )

