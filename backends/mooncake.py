@@ -19,15 +19,17 @@ see each other's entries; each value is a :mod:`kvsdk.chunk_format` frame.
   from where they lie (``batch_put_from_multi_buffers``, no join). A full
   store refuses puts (``-200``): False, counted in ``write_refusals`` /
   ``refused_bytes`` (not an error: it evicts in the background).
-- ``get_into`` / ``get_into_parts`` look the keys' sizes up (``batch_is_exist``
-  and ``batch_get_replica_desc``, round trips to the master only), then read
-  each frame whose size is the destination's plus a header straight into the
-  caller's buffers, the header into a private one
-  (``batch_get_into_multi_buffers``), and verify it in place. A stored frame
-  of another size is read privately and checked: a good one is a miss for
-  this buffer (kept), a bad one is corrupt. ``get`` reads into private buffers
-  of the looked-up sizes (at most a frame of ``chunk_bytes``: a larger value
-  is dropped, ``oversized``).
+- ``get`` / ``get_into`` / ``get_into_parts`` are one call each: the keys'
+  sizes from the master (``batch_get_replica_desc``), then each frame read
+  whole, one slice per object (``batch_get_into``), into a buffer of the
+  tier's own (reused staging buffers for ``get_into``; a new one for ``get``,
+  whose payloads it returns). A frame is verified there, and its payload
+  copied into the caller's buffers a piece at a time while in cache
+  (:mod:`kvsdk.backends.mooncake_reads` says why not straight into them). A
+  stored frame of another size than the caller's buffer is checked all the
+  same: a good one is a miss for that buffer (kept), a bad one is corrupt. A
+  value larger than a frame of ``chunk_bytes`` is not read but removed
+  (``oversized``).
 - A value that fails verification is a miss: counted (``corrupt``) and
   removed (forced: a read holds a lease of ~10 s on the object that refuses
   plain removal); ``UnverifiableChunk`` is counted and kept.
@@ -50,22 +52,21 @@ that is down when the tier starts costs a refused connection, not a setup.
 (A master dying between that probe and the setup still costs the freeze; with
 ``etcd://`` masters there is no port to probe.)
 
-Every call that only talks to the master, or reads into memory of the tier's
-own, runs within its deadline. The transfer of a ``get_into`` into the
-caller's buffers is the exception: it follows a size lookup that just
-succeeded within its deadline, and runs on the caller's thread to its end
-(Mooncake's own timeouts bound it), because a transfer abandoned at a deadline
-could still land in a buffer the caller has reused. A ``put`` abandoned past
-its deadline may still read the caller's buffer later; a frame built from
-changed bytes fails verification when read (a miss, removed).
+Every call runs on a call thread within its deadline (``timeout`` plus its
+bytes at 64 MiB/s); the caller never waits longer. Reads land in the tier's
+own buffers, so a read abandoned at its deadline never writes into memory the
+caller has reused. A ``put`` abandoned past its deadline may still read the
+caller's buffer later; a frame built from changed bytes fails verification
+when read (a miss, removed).
 
-Zero-copy registration: ``register_buffer`` is not used. With ``protocol:
-tcp`` (the tested path) Mooncake reads and writes unregistered memory. The
+Zero-copy registration: ``register_buffer`` is not used, and the transport is
+TCP only. Over TCP Mooncake reads and writes unregistered memory (measured:
+no faster registered). RDMA would need every buffer registered: the tier's
+staging buffers could be, but writes go from the caller's memory, and the
 host slab the tiered store reads into and writes from is never handed to a
-slower tier (``TierContext.slab`` is for the host tier only), so the tier
-cannot register it once up front, and registering each caller buffer per call
-costs more than it saves. With ``protocol: rdma``, Mooncake needs registered
-memory: stage through a host tier built for it, or use ``tcp``.
+slower tier (``TierContext.slab`` is for the host tier only), so it cannot be
+registered once up front; registering each caller buffer per call costs more
+than it saves.
 
 Listing: the Mooncake client cannot list keys, so ``supports_listing`` is
 False and ``inventory`` is the default (nothing); ``wipe`` removes by key

@@ -185,7 +185,7 @@ class Connection:
         client = self._store_class()
         rc = client.setup(
             o.local_hostname, o.metadata_server, o.global_segment_size, o.local_buffer_size,
-            o.protocol, o.rdma_devices, o.master,
+            o.protocol, "", o.master,
         )  # fmt: skip
         if rc != 0:
             try:
@@ -218,12 +218,10 @@ class Connection:
         except Exception as exc:  # a failed setup of any kind is an outage
             raise Outage(f"setup failed: {type(exc).__name__}: {exc}") from None
 
-    def call(self, op: str, fn: Callable[[Any], T], nbytes: int = 0, bounded: bool = True) -> T:
-        """``fn(client)`` on a call thread within the deadline (``bounded``), or on
-        this thread once connected (``bounded=False``: a transfer into the caller's
-        memory, which must not land after the caller has given up). Raises
-        :class:`Outage` when the breaker is open, connecting fails or time is up
-        (the breaker then opens)."""
+    def call(self, op: str, fn: Callable[[Any], T], nbytes: int = 0) -> T:
+        """``fn(client)`` on a call thread, waiting at most the deadline (``timeout``
+        plus ``nbytes`` at :data:`MIN_TRANSFER_RATE`). Raises :class:`Outage` when
+        the breaker is open, connecting fails or time is up (the breaker then opens)."""
         if not self.breaker.allow():
             self.count("skipped")
             raise Outage("skipped: the breaker is open")
@@ -231,8 +229,6 @@ class Connection:
         end = time.monotonic() + self.deadline(nbytes)
         try:
             client = self._connect(end)
-            if not bounded:
-                return fn(client)
             fut = self._pool.submit(fn, client)
             try:
                 return fut.result(timeout=max(0.0, end - time.monotonic()))

@@ -25,10 +25,9 @@ class MooncakeOptions:
     """Where transfer engines find each other: ``P2PHANDSHAKE`` (no metadata service:
     peers exchange their segment descriptors directly), an HTTP metadata server
     (``http://host:port/metadata``) or ``etcd://host:port``."""
-    protocol: Literal["tcp", "rdma"] = "tcp"
-    """Transport between this process and the memory holders."""
-    rdma_devices: str = ""
-    """With ``protocol: rdma``: the RDMA devices (``mlx5_0,mlx5_1``; empty: all)."""
+    protocol: Literal["tcp"] = "tcp"
+    """Transport between this process and the memory holders: TCP (RDMA needs the
+    caller's buffers registered with Mooncake, which this tier cannot do)."""
     local_hostname: str = "127.0.0.1"
     """This process's address as the holders reach it (its transfer engine listens
     here): a LAN address in a cluster, loopback when everything is on one machine."""
@@ -67,8 +66,6 @@ class MooncakeOptions:
                 f"local_hostname: got {self.local_hostname!r}; expected this machine's "
                 "address (a host name or IP the holders can reach)"
             )
-        if self.rdma_devices and self.protocol != "rdma":
-            raise ValueError("rdma_devices: set with protocol tcp; expected protocol: rdma")
         for name in ("global_segment_size", "local_buffer_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: got {getattr(self, name)}; expected 0 or a size")

@@ -159,6 +159,15 @@ class MooncakeCluster:
     def kill_master(self) -> None:
         self._stop(self.master_proc, signal.SIGKILL)
 
+    def pause_master(self) -> None:
+        """Freeze the master (SIGSTOP): connections stay open, nothing answers."""
+        assert self.master_proc is not None
+        self.master_proc.send_signal(signal.SIGSTOP)
+
+    def resume_master(self) -> None:
+        assert self.master_proc is not None
+        self.master_proc.send_signal(signal.SIGCONT)
+
     def restart_master(self) -> None:
         """A new master on the same port (with no objects: snapshots are off); the
         holder re-registers its segment with it."""
@@ -166,6 +175,8 @@ class MooncakeCluster:
         self.start_master()
 
     def stop(self) -> None:
+        if self.master_proc is not None and self.master_proc.poll() is None:
+            self.master_proc.send_signal(signal.SIGCONT)  # (a paused one cannot exit)
         self._stop(self.holder_proc)
         self._stop(self.master_proc)
 

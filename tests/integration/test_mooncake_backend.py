@@ -267,8 +267,8 @@ def test_options_are_checked_with_the_key_named() -> None:
         MooncakeOptions(master="nowhere")
     with pytest.raises(ValueError, match="timeout: got 0"):
         MooncakeOptions(timeout=0)
-    with pytest.raises(ValueError, match="rdma_devices"):
-        MooncakeOptions(rdma_devices="mlx5_0")
+    with pytest.raises(ValueError, match="backoff_max: got 1"):
+        MooncakeOptions(backoff_initial=2.0, backoff_max=1.0)
 
 
 # -- failures -----------------------------------------------------------------------------
@@ -329,6 +329,34 @@ def test_master_killed_misses_within_the_deadline_then_the_breaker_skips_it(
         b.close()
 
 
+def test_a_hung_master_costs_each_call_its_deadline_only(own_cluster: Any) -> None:
+    """A master that holds its connections open and answers nothing (SIGSTOP):
+    each call gives up at its deadline, then the breaker skips the store; once
+    the master answers again, so does the tier (its objects kept)."""
+    cluster = own_cluster()
+    b = MooncakeBackend(cluster.options(timeout=0.5, backoff_initial=0.5, backoff_max=0.5),
+                        ctx(ns("hung")))  # fmt: skip
+    try:
+        assert b.put([(key(1), payload(1))]) == [True]
+        cluster.pause_master()
+        for call in (lambda: b.exists([key(1)]), lambda: b.get([key(1)]),
+                     lambda: b.put([(key(2), payload(2))])):  # fmt: skip
+            time.sleep(0.6)  # past the backoff: the call is tried
+            t = time.monotonic()
+            assert not any(call())
+            assert time.monotonic() - t < 1.2  # 0.5 s and the payload's bytes at 64 MiB/s
+        assert b.stats()["timeouts"] >= 3 and not b.available()
+        cluster.resume_master()
+        deadline = time.monotonic() + 30
+        while b.exists([key(1)]) != [True]:
+            assert time.monotonic() < deadline, "the tier never answered again"
+            time.sleep(0.2)
+        assert [bytes(v) for v in b.get([key(1)]) if v is not None] == [payload(1)]
+    finally:
+        cluster.resume_master()
+        b.close()
+
+
 def test_a_dead_master_at_start_is_no_build_error(own_cluster: Any) -> None:
     cluster = own_cluster()
     cluster.kill_master()
@@ -363,3 +391,21 @@ def test_wipe_removes_every_namespace_or_one(make: Any) -> None:
     b.put([(key(1), payload(1))])
     assert MooncakeBackend.wipe(a.options, ns("wipe-a").hex()) == 2
     assert a.exists([key(1)]) == [False] and b.exists([key(1)]) == [True]
+
+
+def test_a_missing_client_is_a_config_error_in_one_sentence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # import fails
+    with pytest.raises(ValueError, match=r"pip install 'kvsdk\[mooncake\]'"):
+        MooncakeBackend(MooncakeOptions(), ctx(ns("none")))
+
+
+def test_the_tier_is_configured_by_name_with_errors_naming_the_key() -> None:
+    from kvsdk.config import ConfigError, load_config
+
+    tiers = [{"backend": "cpu"}, {"backend": "mooncake", "master": "10.0.0.5:50051"}]
+    cfg = load_config({"tiers": tiers})
+    assert cfg.tiers[1].options == MooncakeOptions(master="10.0.0.5:50051")
+    with pytest.raises(ConfigError, match=r"tiers\[1\].*timeout"):
+        load_config({"tiers": [tiers[0], {**tiers[1], "timeout": -1}]})
