@@ -409,3 +409,64 @@ def test_the_tier_is_configured_by_name_with_errors_naming_the_key() -> None:
     assert cfg.tiers[1].options == MooncakeOptions(master="10.0.0.5:50051")
     with pytest.raises(ConfigError, match=r"tiers\[1\].*timeout"):
         load_config({"tiers": [tiers[0], {**tiers[1], "timeout": -1}]})
+
+
+# -- under the tiered store ---------------------------------------------------------------
+
+
+def test_a_tiered_store_writes_through_and_another_instance_promotes(
+    mooncake_cluster: MooncakeCluster,
+) -> None:
+    """``cpu -> mooncake`` built from a config mapping, as a user writes it: what one
+    store saves is written through to Mooncake, and a second store (another engine
+    with an empty host tier) finds it there and promotes it byte-identical."""
+    from kvsdk.config import load_config
+    from kvsdk.keys import GroupLayout, Namespace
+    from kvsdk.store.factory import build_store
+    from kvsdk.types import LookupResult
+
+    chunk = 8192
+    space = Namespace(model="mooncake-tiering", dtype="float32",
+                      groups=(GroupLayout((2, chunk // 2), "uint8"),), tokens_per_chunk=32)  # fmt: skip
+    config = {"chunk_tokens": 32, "io_threads": 2, "tiers": [
+        {"backend": "cpu", "capacity": 16 * chunk, "pin_memory": "never"},
+        {"backend": "mooncake", "master": mooncake_cluster.master, "timeout": 2.0},
+    ]}  # fmt: skip
+    chunks = {key(500 + i): payload(500 + i, chunk) for i in range(6)}
+
+    def settle(store: Any) -> None:
+        deadline = time.monotonic() + 30
+        store.step()
+        while store.has_pending_work():
+            assert time.monotonic() < deadline, "I/O did not finish"
+            time.sleep(0.005)
+            store.step()
+
+    first = build_store(load_config(config), space, chunk)
+    second = build_store(load_config(config), space, chunk)
+    try:
+        plan = first.prepare_store(list(chunks))
+        assert plan is not None
+        slab = first.host.slab.numpy()
+        for k, slot in zip(plan.keys, plan.slots):
+            slab[slot] = np.frombuffer(chunks[k], dtype=np.uint8)
+        first.complete_store(list(plan.keys))
+        settle(first)
+        answers: dict[ChunkKey, LookupResult] = {}
+        deadline = time.monotonic() + 30
+        while len(answers) < len(chunks):
+            for k in chunks:
+                r = second.lookup(k)
+                if r in (LookupResult.HIT, LookupResult.MISS):
+                    answers[k] = r
+            second.step()
+            assert time.monotonic() < deadline, answers
+            time.sleep(0.005)
+        assert set(answers.values()) == {LookupResult.HIT}
+        for k, value in chunks.items():
+            (slot,) = second.prepare_load([k])
+            assert bytes(second.host.slab.numpy()[slot]) == value
+            second.complete_load([k])
+    finally:
+        first.shutdown()
+        second.shutdown()
