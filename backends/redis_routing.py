@@ -80,13 +80,13 @@ TOPOLOGY = (AskError, ClusterDownError, TryAgainError)  # AskError covers MovedE
 TOPOLOGY_REFRESH_S = 1.0
 """Seconds at least between two slot map refreshes."""
 
-MIN_BYTES_PER_S = 4 << 20
+MIN_BYTES_PER_S = 8 << 20
 """The slowest transfer a round trip's deadline (and its socket timeout) allows
 for its bytes (sent and at most received), on top of ``connect_timeout +
 socket_timeout``: a server shared by many engines' I/O threads moving 4 MiB
 values gives each a share of its bandwidth (two vLLM engines measured 8 MiB
 round trips at about 22 MB/s), and stalls now and then (a slow command of
-another client, a fork, a congested link). An 8 MiB round trip gets 4 s at
+another client, a fork, a congested link). An 8 MiB round trip gets 3 s at
 the defaults; a server that answers nothing is still found within the
 deadline of the first round trip it fails."""
 WRITE_YIELD_S = 1.0
@@ -327,16 +327,15 @@ class Router:
         self, client: Any, seconds: float, lease: Lease, send: Callable[[Any], _T]
     ) -> _T:
         """``send(pipeline)`` on a connection of ``client``'s pool leased for it,
-        its socket timeout ``seconds``; once more on a fresh connection when
-        the first breaks (see the module's docstring)."""
+        its socket timeout ``seconds``; once more when the first connection
+        breaks (the broken one is closed; the pool checks an idle one for a
+        close by the server before it hands it out, else connects anew)."""
         pool = client.connection_pool
         for attempt in (0, 1):
             conn = pool.get_connection()
             if not lease.hold(conn):
                 pool.release(conn)
                 raise RedisTimeoutError("the round trip's deadline passed before its retry")
-            if attempt:
-                conn.disconnect()  # reconnects on its first command
             set_timeout(conn, seconds)
             pipe = client.pipeline(transaction=False)
             pipe.connection = conn  # released to the pool by the pipeline's reset

@@ -16,8 +16,10 @@ same load cost the tier timeouts, broken connections and misses.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import multiprocessing as mp
+import socket
 import threading
 import time
 from typing import Any
@@ -187,3 +189,95 @@ def test_a_busy_server_costs_the_tier_no_error_and_no_hit_at_default_settings(
     assert out["errors"] == 0 and out["breaker_seen_open"] == 0, summary(out)
     assert out["stats"]["outages"] == 0 and out["stats"]["timeouts"] == 0, summary(out)
     assert out["not_stored"] == 0 and out["misses"] == 0, summary(out)
+
+
+# -- the pieces: a retry on a broken connection, a write timeout that stalls writes only ------
+
+
+class _CuttingProxy:
+    """A TCP proxy to a real server that cuts the connections named in ``cut``
+    (0: the first one accepted, ...) after forwarding ``after`` bytes of a
+    reply: a server closing a client mid-round trip."""
+
+    def __init__(self, port: int, cut: set[int], after: int = 1) -> None:
+        self._upstream = port
+        self._cut, self._after = cut, after
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self._sock.getsockname()[1]}/0"
+        self.accepted = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self._sock.accept()
+            except OSError:
+                return
+            n, self.accepted = self.accepted, self.accepted + 1
+            up = socket.create_connection(("127.0.0.1", self._upstream))
+            cut = self._after if n in self._cut else None
+            threading.Thread(target=self._pipe, args=(down, up, None), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(up, down, cut), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, cut: int | None) -> None:
+        sent = 0
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                if cut is not None and sent + len(data) > cut and sent > 0:
+                    break  # mid-reply (the handshake's first reply went through)
+                dst.sendall(data)
+                sent += len(data)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def test_a_connection_closed_mid_round_trip_is_sent_again_on_a_fresh_one(
+    redis_server: RedisServer,
+) -> None:
+    ctx = TierContext(namespace_fp=NS, namespace_hex=NS.hex(), chunk_bytes=CHUNK)
+    direct = RedisBackend(RedisOptions(url=redis_server.url, local_index=False), ctx)
+    value = np.random.default_rng(7).integers(0, 256, CHUNK, dtype=np.uint8).tobytes()
+    assert direct.put([(b"k" * 16, value)]) == [True]
+    proxy = _CuttingProxy(redis_server.port, cut={0}, after=64 << 10)
+    tier = RedisBackend(RedisOptions(url=proxy.url, local_index=False), ctx)
+    try:
+        got = tier.get([b"k" * 16])  # the first connection is cut 64 KiB into the reply
+        assert got[0] is not None and bytes(got[0]) == value
+        s = tier.stats()
+        assert s["retries"] == 1 and tier.error_count() == 0 and tier.available(), s
+        assert proxy.accepted == 2
+    finally:
+        tier.close()
+        direct.close()
+        proxy.close()
+
+
+def test_a_write_timeout_stalls_writes_while_reads_go_on(redis_server: RedisServer) -> None:
+    options = {"socket_timeout": 0.3, "connect_timeout": 0.3, "backoff_initial": 2.0,
+               "backoff_max": 2.0, "local_index": False}  # fmt: skip
+    ctx = TierContext(namespace_fp=NS, namespace_hex=NS.hex(), chunk_bytes=1 << 20)
+    tier = RedisBackend(RedisOptions(url=redis_server.url, **options), ctx)
+    small = [(bytes([i]) * 16, bytes([i]) * 1024) for i in range(4)]
+    assert tier.put(small[:2]) == [True, True]
+    stall = threading.Thread(
+        target=lambda: redis.Redis.from_url(redis_server.url).eval(BUSY_SCRIPT, 0, 1_500_000)
+    )
+    stall.start()
+    time.sleep(0.2)  # the server is busy for 1.5 s: longer than a small write's deadline
+    assert tier.put(small[2:3]) == [False]
+    s = tier.stats()
+    assert s["write_timeouts"] == 1 and s["outages"] == 0 and s["breakers_open"] == 0, s
+    stall.join()
+    assert tier.put(small[3:]) == [False]  # writes stall for their backoff...
+    assert tier.stats()["writes_paused"] == 1
+    got = tier.get([k for k, _ in small[:2]])  # ...reads go on
+    assert [bytes(v) for v in got if v is not None] == [v for _, v in small[:2]]
+    time.sleep(2.1)
+    assert tier.put(small[3:]) == [True]  # and writes resume
+    tier.close()
