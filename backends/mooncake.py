@@ -16,7 +16,11 @@ see each other's entries; each value is a :mod:`kvsdk.chunk_format` frame.
 - ``put`` / ``put_parts`` ask ``batch_is_exist`` first and write only absent
   keys (Mooncake keeps the first value of a key anyway, as SGLang's HiCache
   backend relies on), each as one object, header and payload parts written
-  from where they lie (``batch_put_from_multi_buffers``, no join). A full
+  from where they lie (``batch_put_from_multi_buffers``, no join). Mooncake
+  answers 0 to a put of a key whose first put (another thread's, another
+  engine's) is still transferring, and the key reads as absent until it is
+  done; so written keys are looked at once more, and one not yet readable is
+  waited for (at most ``timeout``) before ``put`` says True. A full
   store refuses puts (``-200``): False, counted in ``write_refusals`` /
   ``refused_bytes`` (not an error: it evicts in the background).
 - ``get`` / ``get_into`` / ``get_into_parts`` are one call each: the keys'
@@ -77,11 +81,19 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from kvsdk.backend import Backend, BackendError, Buffer, TierContext
-from kvsdk.backends.mooncake_client import NO_SPACE, RPC_FAIL, Connection, Outage, address_of
+from kvsdk.backends.mooncake_client import (
+    IN_FLIGHT,
+    NO_SPACE,
+    RPC_FAIL,
+    Connection,
+    Outage,
+    address_of,
+)
 from kvsdk.backends.mooncake_options import MooncakeOptions
 from kvsdk.backends.mooncake_reads import MooncakeReads, Staging
 from kvsdk.chunk_format import FP_BYTES, HEADER_SIZE, as_payload, encode_header
@@ -161,7 +173,8 @@ class MooncakeBackend(MooncakeReads, Backend):
                 names.append(mkeys[i])
                 ptrs.append([address_of(header)] + [address_of(p) for p in body])
                 lens.append([HEADER_SIZE] + [p.nbytes for p in body])
-            return codes, todo, c.batch_put_from_multi_buffers(names, ptrs, lens)
+            written = c.batch_put_from_multi_buffers(names, ptrs, lens)
+            return codes, todo, self._settled(c, names, written)
 
         ok = [False] * len(items)
         try:
@@ -173,11 +186,32 @@ class MooncakeBackend(MooncakeReads, Backend):
             ok = [code == 1 or mkey in stored for mkey, code in zip(mkeys, codes)]
             self._refused(
                 [nbytes[i] for i, code in zip(todo, written) if code == NO_SPACE],
-                [code for code in written if code not in (0, NO_SPACE)],
+                [code for code in written if code not in (0, NO_SPACE, IN_FLIGHT)],
             )
         self._conn.count("puts", sum(ok))
         self._conn.count("put_failures", len(items) - sum(ok))
         return ok
+
+    def _settled(self, c: Any, names: list[str], written: list[int]) -> list[int]:
+        """``written`` with :data:`IN_FLIGHT` where a put answered 0 but its object
+        is not readable: Mooncake answers 0 to a put of a key whose first put (from
+        another thread or engine) is still transferring. Such keys are looked at
+        again until readable, for at most ``timeout``; the rest count as not stored
+        (its writer's put may yet fail)."""
+        done = [k for k, code in zip(names, written) if code == 0]
+        waiting = [k for k, seen in zip(done, c.batch_is_exist(done) if done else []) if seen != 1]
+        until = time.monotonic() + self.options.timeout
+        while waiting and time.monotonic() < until:
+            time.sleep(0.002)
+            seen = c.batch_is_exist(waiting)
+            if RPC_FAIL in seen:
+                break
+            waiting = [k for k, one in zip(waiting, seen) if one != 1]
+        if not waiting:
+            return written
+        self._conn.count("in_flight_elsewhere", len(waiting))
+        late = set(waiting)
+        return [IN_FLIGHT if k in late else code for k, code in zip(names, written)]
 
     def _refused(self, full: list[int], other: list[int]) -> None:
         """Count writes a full store refused (``full``: their sizes) and other refusals."""
@@ -230,7 +264,7 @@ class MooncakeBackend(MooncakeReads, Backend):
         return self._conn.breaker.allow()
 
     def stats(self) -> dict[str, float]:
-        return self._conn.stats()
+        return {**self._conn.stats(), "staging_bytes": float(self._staging.kept_bytes())}
 
     def close(self) -> None:
         self._conn.close()

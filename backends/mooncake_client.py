@@ -42,13 +42,17 @@ TRANSFER_FAIL = -800
 RPC_FAIL = -900
 """The master did not answer."""
 
+IN_FLIGHT = 1
+"""Not a Mooncake code: a put answered 0 while another writer's put of the key was
+still transferring, and the object did not become readable within ``timeout``."""
+
 MIN_TRANSFER_RATE = 64 << 20
 """Bytes per second a transfer is allowed at the slowest, on top of ``timeout``."""
 
 COUNTERS = (
     "hits", "misses", "corrupt", "unverifiable", "oversized", "puts", "put_failures",
     "deletes", "skipped", "outages", "timeouts", "call_errors", "errors",
-    "write_refusals", "refused_bytes", "calls",
+    "write_refusals", "refused_bytes", "in_flight_elsewhere", "calls",
 )  # fmt: skip
 """The counters ``stats()`` reports, in its order."""
 

@@ -42,8 +42,10 @@ from kvsdk.types import ChunkKey
 
 PIECE = 256 << 10
 """Bytes verified and copied on at a time (they stay in the CPU's cache between)."""
-STAGING_KEPT = 8
+STAGING_KEPT = 4
 """Staging buffers kept for reuse (more are allocated while more calls run at once)."""
+STAGING_KEPT_BYTES = 256 << 20
+"""The most bytes of staging buffers kept for reuse; a buffer beyond it is let go."""
 
 
 class Staging:
@@ -67,8 +69,17 @@ class Staging:
     def give(self, buf: np.ndarray) -> None:
         with self._lock:
             self._free.append(buf)
-            if len(self._free) > STAGING_KEPT:
-                del self._free[min(range(len(self._free)), key=lambda i: len(self._free[i]))]
+            self._free.sort(key=len, reverse=True)  # keep the largest that fit the limits
+            while len(self._free) > STAGING_KEPT or self._kept() > STAGING_KEPT_BYTES:
+                self._free.pop(0 if self._kept() > STAGING_KEPT_BYTES else -1)
+
+    def _kept(self) -> int:
+        return sum(len(b) for b in self._free)
+
+    def kept_bytes(self) -> int:
+        """Bytes of staging buffers kept for reuse."""
+        with self._lock:
+            return self._kept()
 
 
 class _Read:

@@ -470,3 +470,19 @@ def test_a_tiered_store_writes_through_and_another_instance_promotes(
     finally:
         first.shutdown()
         second.shutdown()
+
+
+def test_staging_buffers_are_reused_within_limits() -> None:
+    from kvsdk.backends.mooncake_reads import STAGING_KEPT, STAGING_KEPT_BYTES, Staging
+
+    staging = Staging()
+    buf = staging.take(10)
+    assert len(buf) == 1 << 20  # whole MiB
+    staging.give(buf)
+    assert staging.take(1000) is buf and staging.kept_bytes() == 0
+    for _ in range(STAGING_KEPT + 3):  # (np.empty: no page is touched)
+        staging.give(staging.take(200 << 20) if staging.kept_bytes() else np.empty(200 << 20))
+    assert 0 < staging.kept_bytes() <= STAGING_KEPT_BYTES
+    for _ in range(STAGING_KEPT + 3):
+        staging.give(np.empty(1 << 20, np.uint8))
+    assert staging.kept_bytes() <= STAGING_KEPT_BYTES
