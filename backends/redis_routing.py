@@ -40,6 +40,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -96,6 +97,11 @@ ROUND_TRIP_BYTES = 8 << 20
 """The most payload bytes one pipelined round trip moves (beyond its first key):
 a batch of large chunks is split, so no call holds a busy server (or its
 deadline) for a long transfer, and reads and writes of other threads interleave."""
+ROUND_TRIPS_IN_FLIGHT = 2
+"""A call's round trips to one server in flight at once (each on a connection of
+its own): the client reads one reply while the server works on the next."""
+NODE_THREADS = 8
+"""Cluster nodes one call's round trips go to at once (each node's one after another)."""
 CALL_THREADS_MAX = 32
 """Threads a tier runs its round trips on: ``max_connections``, at most this."""
 
@@ -251,6 +257,10 @@ class Router:
         self._refresh_topology = False
         self._last_refresh = 0.0
         self._gates: dict[str, Gate] = {}
+        self._nodes: ThreadPoolExecutor | None = None
+        self._parts: ThreadPoolExecutor | None = None
+        """Threads sending a call's further round trips to one server beside its first."""
+        """Threads sending one call's round trips to several Cluster nodes at once."""
         self.client: redis_py.Redis | None = None
         """The standalone server's client (None in Cluster mode)."""
         self.cluster: RedisCluster | None = None
@@ -451,71 +461,133 @@ class Router:
         replies are ``PAUSED``.
         """
         out: list[Any] = [SKIPPED] * len(rkeys)
-        for name, client, positions in self.routes(rkeys):
-            breaker = self._health.breaker(name)
-            pause = self._health.write_pause(name) if writes else None
-            stall = self._health.write_stall(name) if writes else None
-            gate = self.gate(name)
-            for part in self._round_trips(positions, key_bytes):
-                if (
-                    pause is not None
-                    and stall is not None
-                    and not (pause.allow() and stall.allow())
-                ):
-                    for i in part:
-                        out[i] = PAUSED
-                    self._health.count("writes_paused", len(part))
-                    continue
-                if not breaker.allow():
-                    self._node_out(name)
-                    continue
-                nbytes = sum(map(key_bytes, part)) if key_bytes is not None else 0
-                lease = Lease()
+        routes = self.routes(rkeys)
 
-                def send(pipe: Any, part: list[int] = part) -> list[Any]:
-                    add(pipe, part)
-                    replies = pipe.execute(raise_on_error=False)
-                    return self._per_key(replies, len(part), per_key, commands_per_key, valid)
+        def one(route: Route) -> None:
+            name, client, positions = route
+            self._execute_on(name, client, positions, out, add, per_key, commands_per_key,
+                             valid, key_bytes, writes)  # fmt: skip
 
-                def round_trip(
-                    client: Any = client,
-                    lease: Lease = lease,
-                    seconds: float = self.deadline(nbytes),
-                ) -> list[Any]:
-                    return self.round_trip(client, seconds, lease, send)
-
-                if writes:
-                    if not gate.write_start(min(WRITE_YIELD_S, self._options.socket_timeout)):
-                        self._health.count("writes_yielded")
-                else:
-                    gate.reading(1)
-                self._health.count("round_trips")
-                try:
-                    replies = self.call(name, client, round_trip, nbytes, lease=lease,
-                                        writes=writes)  # fmt: skip
-                except RoundTripFailed:
-                    continue
-                finally:
-                    if writes:
-                        gate.write_end()
-                    else:
-                        gate.reading(-1)
-                breaker.succeeded()
-                for i, reply in zip(part, replies, strict=True):
-                    if isinstance(reply, TOPOLOGY):
-                        self._refresh_topology = True
-                    out[i] = reply
-                if pause is not None and stall is not None:
-                    stall.succeeded()
-                    refused = next((r for r in replies if isinstance(r, REFUSALS)), None)
-                    if refused is None:
-                        pause.succeeded()
-                    else:
-                        self._health.writes_refused(name, refused, pause.failed())
+        if len(routes) > 1:  # Cluster nodes in parallel, as a Cluster pipeline does
+            for future in [self._nodes_pool().submit(one, r) for r in routes]:
+                future.result()
+        elif routes:
+            one(routes[0])
         skipped = sum(1 for r in out if r is SKIPPED)
         if skipped:
             self._health.count("skipped", skipped)
         return out
+
+    def _parts_pool(self) -> ThreadPoolExecutor:
+        with self._refresh_lock:
+            if self._parts is None:
+                self._parts = ThreadPoolExecutor(
+                    min(self._options.max_connections, CALL_THREADS_MAX),
+                    thread_name_prefix="kvsdk-redis-trip",
+                )
+            return self._parts
+
+    def _nodes_pool(self) -> ThreadPoolExecutor:
+        with self._refresh_lock:
+            if self._nodes is None:
+                self._nodes = ThreadPoolExecutor(
+                    NODE_THREADS, thread_name_prefix="kvsdk-redis-node"
+                )
+            return self._nodes
+
+    def _execute_on(
+        self,
+        name: str,
+        client: Any,
+        positions: list[int],
+        out: list[Any],
+        add: AddCommands,
+        per_key: bool,
+        commands_per_key: int,
+        valid: Callable[[Any], bool] | None,
+        key_bytes: Callable[[int], int] | None,
+        writes: bool,
+        split: bool = True,
+    ) -> None:
+        """:meth:`execute`'s round trips to server ``name`` (``positions`` split
+        into them, unless not ``split``: one), :data:`ROUND_TRIPS_IN_FLIGHT` at
+        a time, their replies into ``out``."""
+        breaker = self._health.breaker(name)
+        pause = self._health.write_pause(name) if writes else None
+        stall = self._health.write_stall(name) if writes else None
+        gate = self.gate(name)
+        parts = self._round_trips(positions, key_bytes) if split else [positions]
+        if len(parts) > 1:  # a few round trips in flight at once, each on its own connection
+            depth = min(ROUND_TRIPS_IN_FLIGHT, len(parts))
+            todo = iter(parts)
+            lock = threading.Lock()
+
+            def worker() -> None:
+                while True:
+                    with lock:
+                        part = next(todo, None)
+                    if part is None:
+                        return
+                    self._execute_on(name, client, part, out, add, per_key, commands_per_key,
+                                     valid, key_bytes, writes, split=False)  # fmt: skip
+
+            helpers = [self._parts_pool().submit(worker) for _ in range(depth - 1)]
+            worker()
+            for helper in helpers:
+                helper.result()
+            return
+        for part in parts:
+            if pause is not None and stall is not None and not (pause.allow() and stall.allow()):
+                for i in part:
+                    out[i] = PAUSED
+                self._health.count("writes_paused", len(part))
+                continue
+            if not breaker.allow():
+                self._node_out(name)
+                continue
+            nbytes = sum(map(key_bytes, part)) if key_bytes is not None else 0
+            lease = Lease()
+
+            def send(pipe: Any, part: list[int] = part) -> list[Any]:
+                add(pipe, part)
+                replies = pipe.execute(raise_on_error=False)
+                return self._per_key(replies, len(part), per_key, commands_per_key, valid)
+
+            def round_trip(
+                client: Any = client,
+                lease: Lease = lease,
+                seconds: float = self.deadline(nbytes),
+            ) -> list[Any]:
+                return self.round_trip(client, seconds, lease, send)
+
+            if writes:
+                if not gate.write_start(min(WRITE_YIELD_S, self._options.socket_timeout)):
+                    self._health.count("writes_yielded")
+            else:
+                gate.reading(1)
+            self._health.count("round_trips")
+            try:
+                replies = self.call(name, client, round_trip, nbytes, lease=lease,
+                                    writes=writes)  # fmt: skip
+            except RoundTripFailed:
+                continue
+            finally:
+                if writes:
+                    gate.write_end()
+                else:
+                    gate.reading(-1)
+            breaker.succeeded()
+            for i, reply in zip(part, replies, strict=True):
+                if isinstance(reply, TOPOLOGY):
+                    self._refresh_topology = True
+                out[i] = reply
+            if pause is not None and stall is not None:
+                stall.succeeded()
+                refused = next((r for r in replies if isinstance(r, REFUSALS)), None)
+                if refused is None:
+                    pause.succeeded()
+                else:
+                    self._health.writes_refused(name, refused, pause.failed())
 
     def _round_trips(
         self, positions: list[int], key_bytes: Callable[[int], int] | None
@@ -570,6 +642,9 @@ class Router:
         return [(n.name, rc.get_redis_connection(n)) for n in rc.get_primaries()]
 
     def close(self) -> None:
+        for pool in (self._nodes, self._parts):
+            if pool is not None:
+                pool.shutdown(wait=False)
         self._calls.close()
         if self.client is not None:
             self.client.close()
