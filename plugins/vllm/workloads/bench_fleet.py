@@ -145,6 +145,7 @@ def run_bench(
 
     from kvsdk.plugins.vllm.workloads.fleet_report import plot, summarize
 
+    out, model = out.resolve(), str(Path(model).resolve())  # processes run in the log dir
     orders = [configs if p % 2 == 0 else configs[::-1] for p in range(passes)]
     bar = tqdm(
         total=passes * len(configs) * w.requests, desc="bench fleet", unit="req",
@@ -168,7 +169,7 @@ def run_bench(
         tempfile.TemporaryDirectory(prefix=f".{out.stem}-work-", dir=out.parent) as tmp,
         Procs() as long_lived,  # stopped before the directory goes
     ):
-        shared = Shared(Path(tmp), long_lived, redis_maxmemory=s.redis_maxmemory)
+        shared = Shared(Path(tmp).resolve(), long_lived, redis_maxmemory=s.redis_maxmemory)
         try:
             for config in configs:  # shared servers start once, before the first run
                 if config.tier is not None:
