@@ -21,14 +21,6 @@ from kvsdk.commands import CommandRegistry, ModelArgs
 from kvsdk.config import ConfigError, KVSDKConfig
 from kvsdk.hooks import hookimpl
 
-_FLEET_CONFIGS = (  # kvsdk.plugins.vllm.workloads.fleet_configs.DEFAULT_CONFIGS (no vLLM import)
-    "none-rr",
-    "none-cache_aware",
-    "kvsdk-redis-rr",
-    "kvsdk-redis-cache_aware",
-    "kvsdk-disk-rr",
-)
-
 
 def _serve_model(model_dir: str) -> str:
     """The tiny Llama ``bench serve`` runs (the demo builds the same shape itself)."""
@@ -133,7 +125,9 @@ def _bench_fleet(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        configs = fleet_configs.parse_configs(args.configs)
+        configs = fleet_configs.parse_configs(
+            args.configs or ",".join(fleet_configs.DEFAULT_CONFIGS)
+        )
     except ValueError as exc:
         print(f"kvsdk bench fleet: --configs: {exc}", file=sys.stderr)
         return 2
@@ -294,9 +288,9 @@ def kvsdk_register_commands(commands: CommandRegistry) -> None:
     )
     fleet.add_argument(
         "--configs",
-        default=",".join(_FLEET_CONFIGS),
         help="comma-separated: none-POLICY or kvsdk-TIER-POLICY (tiers: redis, disk; "
-        "policies: rr, cache_aware); none-rr always runs (the baseline)",
+        "policies: rr, cache_aware); none-rr always runs (the baseline). Default: none-rr, "
+        "none-cache_aware, kvsdk-redis-rr, kvsdk-redis-cache_aware, kvsdk-disk-rr",
     )
     fleet.add_argument("--users", type=int, default=8)
     fleet.add_argument("--rounds", type=int, default=5)
