@@ -68,19 +68,22 @@ def _cores(pin: bool) -> list[int | None]:
 
 def _start_engines(
     procs: Procs, config: FleetConfig, shared: Shared, model: str, s: FleetSettings, logs: Path
-) -> list[Engine]:
-    engines = []
+) -> tuple[list[Engine], list[EngineInfo]]:
+    engines, infos = [], []
     for i, core in enumerate(_cores(s.pin)):
         port = free_port()
+        info = EngineInfo(i, f"http://127.0.0.1:{port}", free_port())
         exporter = free_port() if config.tier is not None else None
         kv = config.kv_transfer(shared, s.host_bytes, exporter or 0)
-        argv, env = pinned(engine_argv(model, port, kv, s.max_model_len), core)
+        argv = engine_argv(model, port, kv, s.max_model_len, config.policy.engine_args(info))
+        argv, env = pinned(argv, core)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(s.kv_cache_gib)
         proc = procs.add(Proc(f"{config.name}-engine{i}", argv, logs, env))
-        engines.append(Engine(proc, f"http://127.0.0.1:{port}", exporter))
+        engines.append(Engine(proc, info.url, exporter))
+        infos.append(info)
     for e in engines:
         e.proc.wait_http(f"{e.url}/health", s.start_timeout_s)
-    return engines
+    return engines, infos
 
 
 def run_one(
@@ -99,11 +102,10 @@ def run_one(
         config.tier.reset(shared)
     t0 = time.perf_counter()
     with Procs() as procs:
-        engines = _start_engines(procs, config, shared, model, s, logs)
+        engines, infos = _start_engines(procs, config, shared, model, s, logs)
         for i, e in enumerate(engines):
             warm_up(e.url, model, w.vocab_size, seed=1000 + i)
         port = free_port()
-        infos = [EngineInfo(i, e.url) for i, e in enumerate(engines)]
         argv = router_argv(
             port,
             [e.url for e in engines],

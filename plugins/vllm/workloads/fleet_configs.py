@@ -5,9 +5,12 @@ router policy. Tiers (:data:`TIERS`) and policies (:data:`POLICIES`) are
 tables of their own: a new shared tier is one :class:`TierSpec` (how to
 start what it needs once, how to empty it before a run, the kvsdk tier entry
 the engines get), a new policy one :class:`PolicySpec` (the router's
-``--policy`` and any extra arguments it needs from the engines, e.g. KV event
-endpoints). Any ``TIER-POLICY`` name of the two tables is a configuration
-(``none`` for no connector); :data:`DEFAULT_CONFIGS` are the issue's five.
+``--policy``, the router arguments it needs from the engines and the engines'
+own extra arguments: a ``kv_aware`` policy would give each engine
+``--kv-events-config`` publishing on ``tcp://*:{events_port}`` and the
+router ``--kv-event-source URL=tcp://127.0.0.1:{events_port}`` per engine).
+Any ``TIER-POLICY`` name of the two tables is a configuration (``none`` for
+no connector); :data:`DEFAULT_CONFIGS` are the issue's five.
 """
 
 from __future__ import annotations
@@ -104,18 +107,27 @@ TIERS: dict[str, TierSpec] = {t.name: t for t in (RedisTier(), DiskTier())}
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """What a policy may need from an engine: its URL and index."""
+    """What a policy may need from an engine: its index, URL, and a free port
+    reserved for it (e.g. the ZMQ endpoint of vLLM's KV events, which a
+    ``kv_aware`` router subscribes to)."""
 
     index: int
     url: str
+    events_port: int
+
+
+def _none(_: Any) -> list[str]:
+    return []
 
 
 @dataclass(frozen=True)
 class PolicySpec:
-    """A router policy: ``--policy VALUE`` and arguments built from the engines."""
+    """A router policy: ``--policy VALUE``, the router's extra arguments built
+    from the engines, and each engine's extra ``vllm serve`` arguments."""
 
     value: str
-    router_args: Callable[[list[EngineInfo]], list[str]] = lambda engines: []
+    router_args: Callable[[list[EngineInfo]], list[str]] = _none
+    engine_args: Callable[[EngineInfo], list[str]] = _none
 
 
 POLICIES: dict[str, PolicySpec] = {

@@ -148,7 +148,11 @@ def sigterm_as_interrupt() -> Iterator[None]:
 
 
 def engine_argv(
-    model: str, port: int, kv_transfer: dict[str, Any] | None, max_model_len: int
+    model: str,
+    port: int,
+    kv_transfer: dict[str, Any] | None,
+    max_model_len: int,
+    extra: list[str] | None = None,
 ) -> list[str]:
     """vLLM's OpenAI server at its defaults (default executor, block size), as the
     README starts it; prompts are token ids, outputs read as token ids."""
@@ -160,7 +164,7 @@ def engine_argv(
     ]  # fmt: skip
     if kv_transfer is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer)]
-    return argv
+    return argv + (extra or [])
 
 
 def pinned(argv: list[str], core: int | None) -> tuple[list[str], dict[str, str]]:
