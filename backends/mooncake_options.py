@@ -20,7 +20,7 @@ class MooncakeOptions:
     master: str = "127.0.0.1:50051"
     """The Mooncake master's RPC address, ``host:port`` (``mooncake_master --rpc_port``).
     With master HA (``--enable_ha``), ``etcd://host:port[;host:port...]``: the client
-    follows the elected master."""
+    follows the elected master (Mooncake's HA mode; not exercised by kvsdk's tests)."""
     metadata_server: str = "P2PHANDSHAKE"
     """Where transfer engines find each other: ``P2PHANDSHAKE`` (no metadata service:
     peers exchange their segment descriptors directly), an HTTP metadata server

@@ -75,6 +75,9 @@ class MooncakeCluster:
     master_proc: subprocess.Popen[bytes] | None = None
     holder_proc: subprocess.Popen[bytes] | None = None
     master_args: tuple[str, ...] = ()
+    """More ``mooncake_master`` flags (snapshots, eviction...)."""
+    master_env: dict[str, str] = field(default_factory=dict)
+    """More environment for the master (``MOONCAKE_SNAPSHOT_LOCAL_PATH``...)."""
 
     @property
     def master(self) -> str:
@@ -85,11 +88,14 @@ class MooncakeCluster:
 
         return MooncakeOptions(**{"master": self.master, "timeout": 2.0, **overrides})
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 (the child keeps it)
         try:
             return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                    cwd=self.workdir, start_new_session=True)  # fmt: skip
+                                    cwd=self.workdir, start_new_session=True,
+                                    env={**os.environ, **(env or {})})  # fmt: skip
         finally:
             log.close()
 
@@ -97,7 +103,7 @@ class MooncakeCluster:
         self.master_proc = self._spawn("master", [
             str(MASTER), f"--rpc_port={self.master_port}", "--rpc_address=127.0.0.1",
             f"--metrics_port={self.metrics_port}", "--logtostderr", *self.master_args,
-        ])  # fmt: skip
+        ], self.master_env)  # fmt: skip
         self._wait_port(self.master_port, self.master_proc, "master")
 
     def start_holder(self) -> None:

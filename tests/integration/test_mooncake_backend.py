@@ -329,6 +329,45 @@ def test_master_killed_misses_within_the_deadline_then_the_breaker_skips_it(
         b.close()
 
 
+def test_a_master_restarted_from_its_snapshot_keeps_the_objects(tmp_path: Path) -> None:
+    """With snapshots on (``docs/deployment.md``), a master killed and restarted with
+    ``--enable_snapshot_restore`` still knows the objects the holder keeps."""
+    snaps = tmp_path / "snapshots"
+    snaps.mkdir()
+    flags = ("--enable_snapshot", "--snapshot_interval_seconds=1",
+             "--snapshot_object_store_type=local")  # fmt: skip
+    cluster = start_cluster(tmp_path, "64MB", master_args=flags,
+                            master_env={"MOONCAKE_SNAPSHOT_LOCAL_PATH": str(snaps)})  # fmt: skip
+    b = MooncakeBackend(cluster.options(timeout=1.0, backoff_initial=0.2, backoff_max=0.5),
+                        ctx(ns("snapshot")))  # fmt: skip
+    try:
+        assert b.put([(key(1), payload(1))]) == [True]
+
+        def latest() -> str:
+            return "".join(sorted(p.read_text() for p in snaps.rglob("latest.txt")))
+
+        seen = [latest()]
+        deadline = time.monotonic() + 60
+        while len(seen) < 3:  # two more snapshots finished: one begun after the put
+            assert time.monotonic() < deadline, f"snapshots written: {seen}"
+            time.sleep(0.2)
+            if latest() != seen[-1]:
+                seen.append(latest())
+        cluster.kill_master()
+        cluster.master_args = (*flags, "--enable_snapshot_restore")
+        cluster.start_master()
+        deadline = time.monotonic() + 30
+        while (got := b.get([key(1)])) == [None]:
+            assert time.monotonic() < deadline, (
+                f"the restored master never served the object: {cluster.tail('master')}"
+            )
+            time.sleep(0.2)
+        assert got[0] is not None and bytes(got[0]) == payload(1)
+    finally:
+        b.close()
+        cluster.stop()
+
+
 def test_a_hung_master_costs_each_call_its_deadline_only(own_cluster: Any) -> None:
     """A master that holds its connections open and answers nothing (SIGSTOP):
     each call gives up at its deadline, then the breaker skips the store; once
