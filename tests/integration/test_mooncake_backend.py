@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from mooncake_server import (  # noqa: F401  (fixtures)
     MooncakeCluster,
+    free_port,
     mooncake_cluster_fixture,
     needs_mooncake,
     start_cluster,
@@ -393,6 +394,36 @@ def test_a_hung_master_costs_each_call_its_deadline_only(own_cluster: Any) -> No
         assert [bytes(v) for v in b.get([key(1)]) if v is not None] == [payload(1)]
     finally:
         cluster.resume_master()
+        b.close()
+
+
+def test_a_holder_gone_is_misses_within_the_deadline_then_a_new_one_serves(
+    own_cluster: Any,
+) -> None:
+    """The holder's memory goes with it: reads of its objects miss (Mooncake: -800),
+    writes placed on its segment fail within the deadline until the master drops
+    it (``--client_ttl``); a new holder takes writes again."""
+    cluster = own_cluster()
+    b = MooncakeBackend(cluster.options(timeout=0.5, backoff_initial=0.2, backoff_max=0.5),
+                        ctx(ns("holder")))  # fmt: skip
+    try:
+        assert b.put([(key(1), payload(1))]) == [True]
+        assert cluster.holder_proc is not None
+        cluster.holder_proc.kill()
+        cluster.holder_proc.wait()
+        t = time.monotonic()
+        assert b.get([key(1)]) == [None]
+        assert b.get_into([key(1)], [memoryview(bytearray(4096))]) == [False]
+        assert b.put([(key(2), payload(2))]) == [False]
+        assert time.monotonic() - t < 3 * 0.6 + 0.5 and b.error_count() >= 1
+        cluster.holder_port = free_port()
+        cluster.start_holder()
+        deadline = time.monotonic() + 60
+        while b.put([(key(3), payload(3))]) != [True]:
+            assert time.monotonic() < deadline, "a new holder never took a write"
+            time.sleep(0.3)
+        assert [bytes(v) for v in b.get([key(3)]) if v is not None] == [payload(3)]
+    finally:
         b.close()
 
 
