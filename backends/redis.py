@@ -58,14 +58,22 @@ from kvsdk.backends import redis_admin
 from kvsdk.backends.redis_health import Health
 from kvsdk.backends.redis_index import RedisIndex
 from kvsdk.backends.redis_options import RedisOptions, mask_url
-from kvsdk.backends.redis_routing import PAUSED, REFUSALS, SKIPPED, RoundTripFailed, Router
+from kvsdk.backends.redis_routing import (
+    PAUSED,
+    REFUSALS,
+    SKIPPED,
+    RoundTripFailed,
+    Router,
+    bulk,
+)
 from kvsdk.chunk_format import (
     FP_BYTES,
     HEADER_SIZE,
     CorruptChunk,
     UnverifiableChunk,
+    as_payload,
     decode_chunk,
-    encode_chunk,
+    encode_header,
 )
 from kvsdk.hooks import hookimpl
 from kvsdk.types import ChunkKey, Locality, Medium
@@ -185,39 +193,68 @@ class RedisBackend(Backend):
         return out
 
     def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
-        rkeys = [self._rkey(k) for k, _ in items]
+        return self._put([(key, [flat], dtype, shape)
+                          for key, (flat, dtype, shape) in ((k, as_payload(v)) for k, v in items)])  # fmt: skip
+
+    def put_parts(self, items: Sequence[tuple[ChunkKey, Sequence[memoryview]]]) -> list[bool]:
+        """Like ``put``, each payload in parts: sent as they are (no join)."""
+        flat = [(key, [p.cast("B") for p in parts]) for key, parts in items]
+        return self._put([(key, parts, "|u1", (sum(p.nbytes for p in parts),))
+                          for key, parts in flat])  # fmt: skip
+
+    def _put(
+        self, items: Sequence[tuple[ChunkKey, list[memoryview], str, tuple[int, ...]]]
+    ) -> list[bool]:
+        """Each frame sent as its header and the payload's parts, without a copy
+        (a ``SET`` in the protocol, built here: redis-py would join them)."""
+        rkeys = [self._rkey(k) for k, *_ in items]
         ttl = self.options.ttl_seconds
         limit = self._max_frame
-        frames = [encode_chunk(self._ns, key, value, mac_key=self._mac) for key, value in items]
-        fits = [limit is None or len(f) <= limit for f in frames]  # else a reader drops it
+        headers = [encode_header(self._ns, key, parts, dtype, shape, mac_key=self._mac)
+                   for key, parts, dtype, shape in items]  # fmt: skip
+        sizes = [len(h) + sum(p.nbytes for p in it[1]) for h, it in zip(headers, items)]
+        fits = [limit is None or n <= limit for n in sizes]  # else a reader drops it
+        expire = b"" if ttl is None else bulk(b"EX") + bulk(str(ttl).encode())
+        head = b"*3\r\n$3\r\nSET\r\n" if ttl is None else b"*5\r\n$3\r\nSET\r\n"
 
-        def add(pipe: Any, part: list[int]) -> None:
+        def packed(part: list[int]) -> tuple[list[Any], int]:
+            out: list[Any] = []
+            pending = b""  # small pieces sent together
             for i in part:
-                if fits[i]:
-                    pipe.set(rkeys[i], frames[i], ex=ttl)
-                else:
-                    pipe.exists(rkeys[i])  # (a reply per key; counted as not stored)
+                if not fits[i]:  # (a reply per key; counted as not stored)
+                    pending += b"*2\r\n$6\r\nEXISTS\r\n" + bulk(rkeys[i])
+                    continue
+                pending += head + bulk(rkeys[i]) + b"$%d\r\n" % sizes[i] + headers[i]
+                for p in items[i][1]:
+                    if p.nbytes < SMALL_PART:
+                        pending += p
+                    else:
+                        out += [pending, p]
+                        pending = b""
+                pending += b"\r\n" + expire
+            return [*out, pending], len(part)
 
         replies = self._router.execute(
             rkeys,
-            add,
+            _no_commands,
             per_key=True,
-            key_bytes=lambda i: len(frames[i]) if fits[i] else 0,
+            key_bytes=lambda i: sizes[i] if fits[i] else 0,
             writes=True,
+            packed=packed,
         )
         replies = [r if fits[i] else False for i, r in enumerate(replies)]
-        ok = [r is True for r in replies]
+        ok = [r == b"OK" for r in replies]
         refused = 0
         for i, r in enumerate(replies):
             if r is PAUSED or isinstance(r, REFUSALS):
-                refused += len(frames[i])
+                refused += sizes[i]
             if isinstance(r, Exception):
                 self._health.command_error("set", r)
         self._health.count("refused_bytes", refused)
         self._health.count("puts", sum(ok))
         self._health.count("put_failures", len(ok) - sum(ok))
         if self._index is not None and any(ok):
-            self._index.stored([k for (k, _), stored in zip(items, ok) if stored])
+            self._index.stored([it[0] for it, stored in zip(items, ok) if stored])
         return ok
 
     def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -353,6 +390,15 @@ class RedisBackend(Backend):
 
     def __repr__(self) -> str:
         return f"RedisBackend({self._where!r}, cluster={self.options.cluster})"
+
+
+SMALL_PART = 64 << 10
+"""Payload parts smaller than this are copied into the round trip's other bytes
+(one send); larger ones are sent as they are."""
+
+
+def _no_commands(_pipe: Any, _part: list[int]) -> None:
+    """(``put`` sends its commands packed: see ``Router.execute``.)"""
 
 
 def _exists_and_range(reply: Any) -> bool:

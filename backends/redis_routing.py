@@ -57,6 +57,7 @@ from redis.exceptions import (
     NoPermissionError,
     OutOfMemoryError,
     ReadOnlyError,
+    ResponseError,
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -106,6 +107,8 @@ CALL_THREADS_MAX = 32
 """Threads a tier runs its round trips on: ``max_connections``, at most this."""
 
 Route = tuple[str, Any, list[int]]  # (server name, client, positions in the batch)
+Packed = Callable[[list[int]], tuple[list[Any], int]]
+"""positions -> (the commands in the protocol, as buffers; how many replies)."""
 AddCommands = Callable[[Any, list[int]], None]
 _T = TypeVar("_T")
 
@@ -160,6 +163,25 @@ def set_timeout(conn: Any, seconds: float) -> None:
     buffer = getattr(getattr(conn, "_parser", None), "_buffer", None)
     if buffer is not None and hasattr(buffer, "socket_timeout"):
         buffer.socket_timeout = seconds  # (restored after a can_read() probe)
+
+
+def send_packed(conn: Any, buffers: list[Any], replies: int) -> list[Any]:
+    """Send ``buffers`` (commands in the protocol) on ``conn`` and read their
+    ``replies``; a reply that is an error is its exception. Any other failure
+    leaves ``conn`` closed (redis-py closes it), never out of step."""
+    conn.send_packed_command(buffers, check_health=False)
+    out: list[Any] = []
+    for _ in range(replies):
+        try:
+            out.append(conn.read_response())
+        except ResponseError as exc:  # (read whole: the connection is in step)
+            out.append(exc)
+    return out
+
+
+def bulk(data: bytes) -> bytes:
+    """``data`` as a bulk string of the protocol."""
+    return b"$%d\r\n%s\r\n" % (len(data), data)
 
 
 def retryable(exc: BaseException) -> bool:
@@ -443,6 +465,7 @@ class Router:
         valid: Callable[[Any], bool] | None = None,
         key_bytes: Callable[[int], int] | None = None,
         writes: bool = False,
+        packed: Packed | None = None,
     ) -> list[Any]:
         """Pipelined commands for ``rkeys``, ``max_batch`` keys per round trip,
         each within its deadline (see the module's docstring).
@@ -458,7 +481,11 @@ class Router:
         ``key_bytes(position)``: the bytes key ``position`` may move (sent and
         received), for the deadline. With ``writes``, a server that refused
         writes (:data:`REFUSALS`) is sent none for a backoff: those keys'
-        replies are ``PAUSED``.
+        replies are ``PAUSED``. With ``packed``, ``add`` is not called:
+        ``packed(positions)`` gives the round trip's commands already in the
+        protocol, as buffers sent as they are (a large value's parts without
+        a join), and how many replies they get (one per key, as read: a
+        simple string is ``bytes``).
         """
         out: list[Any] = [SKIPPED] * len(rkeys)
         routes = self.routes(rkeys)
@@ -466,7 +493,7 @@ class Router:
         def one(route: Route) -> None:
             name, client, positions = route
             self._execute_on(name, client, positions, out, add, per_key, commands_per_key,
-                             valid, key_bytes, writes)  # fmt: skip
+                             valid, key_bytes, writes, packed)  # fmt: skip
 
         if len(routes) > 1:  # Cluster nodes in parallel, as a Cluster pipeline does
             for future in [self._nodes_pool().submit(one, r) for r in routes]:
@@ -507,6 +534,7 @@ class Router:
         valid: Callable[[Any], bool] | None,
         key_bytes: Callable[[int], int] | None,
         writes: bool,
+        packed: Packed | None,
         split: bool = True,
     ) -> None:
         """:meth:`execute`'s round trips to server ``name`` (``positions`` split
@@ -529,7 +557,7 @@ class Router:
                     if part is None:
                         return
                     self._execute_on(name, client, part, out, add, per_key, commands_per_key,
-                                     valid, key_bytes, writes, split=False)  # fmt: skip
+                                     valid, key_bytes, writes, packed, split=False)  # fmt: skip
 
             helpers = [self._parts_pool().submit(worker) for _ in range(depth - 1)]
             worker()
@@ -549,8 +577,11 @@ class Router:
             lease = Lease()
 
             def send(pipe: Any, part: list[int] = part) -> list[Any]:
-                add(pipe, part)
-                replies = pipe.execute(raise_on_error=False)
+                if packed is None:
+                    add(pipe, part)
+                    replies = pipe.execute(raise_on_error=False)
+                else:
+                    replies = send_packed(pipe.connection, *packed(part))
                 return self._per_key(replies, len(part), per_key, commands_per_key, valid)
 
             def round_trip(
