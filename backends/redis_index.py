@@ -60,6 +60,7 @@ import redis as redis_py
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.connection import BlockingConnectionPool
+from redis.exceptions import NoPermissionError
 from redis.retry import Retry
 
 from kvsdk.backends.redis_options import RedisOptions, connection_kwargs, effective_url, redact
@@ -127,6 +128,7 @@ class RedisIndex:
         self._pub: Any = None
         self._sub: Any = None
         self._flushed = 0
+        self._info_allowed = True
         """FLUSHALL and FLUSHDB calls the servers had served at the last seed."""
         self._thread = threading.Thread(target=self._run, name="kvsdk-redis-index", daemon=True)
         self._thread.start()
@@ -380,10 +382,20 @@ class RedisIndex:
             raise
 
     def _flushes(self) -> int:
-        """FLUSHALL and FLUSHDB calls the servers (every master) have served."""
+        """FLUSHALL and FLUSHDB calls the servers (every master) have served (0
+        where an ACL refuses this user ``INFO``: then only a ``PING`` checks
+        that they answer, and a flush is found out key by key, as reads miss)."""
         n = 0
         for node in self._masters():
-            stats = node.info("commandstats")
+            if not self._info_allowed:
+                node.ping()
+                continue
+            try:
+                stats = node.info("commandstats")
+            except NoPermissionError:
+                self._info_allowed = False
+                log.info("redis tier index: INFO refused to this user; a FLUSHALL is not noticed")
+                continue
             for name in ("cmdstat_flushall", "cmdstat_flushdb"):
                 entry = stats.get(name)
                 if isinstance(entry, dict):

@@ -278,3 +278,19 @@ def test_on_a_cluster_the_index_seeds_from_every_master_and_follows_puts(
         a.clear()
         a.close()
         b.close()
+
+
+def test_a_user_refused_info_still_gets_an_index(redis_tools: None, tmp_path: Path) -> None:
+    acl = ["--user", "idx", "on", ">pw-1", "~kvsdk:*", "&kvsdk:*", "+@all", "-info"]
+    server = RedisServer(tmp_path, args=acl).start()
+    try:
+        a = backend(server.url, username="idx", password="pw-1")
+        b = backend(server.url, username="idx", password="pw-1")
+        wait_until(lambda: seeded(b), what="the seed")
+        put(a, range(5))
+        wait_until(lambda: all(b.may_contain(keys(range(5)))), SEEN_WITHIN_S, "a's keys in b")
+        assert b.may_contain([key(9)]) == [False]
+        a.close()
+        b.close()
+    finally:
+        server.kill()
