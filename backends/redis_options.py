@@ -68,7 +68,7 @@ class RedisOptions:
     of the namespace, kept current across processes by what each publishes of its
     puts), so a lookup of a chunk stored nowhere misses without asking Redis."""
     local_index_max_entries: int = 1_000_000
-    """The most keys the local index holds (about 150 bytes each); beyond it the
+    """The most keys the local index holds (about 170 bytes each); beyond it the
     least recently stored or seen are forgotten: their lookups miss (counted
     ``index_dropped``)."""
 
