@@ -16,7 +16,7 @@ runs both back to back, so load from other processes hits both alike. Each
 side's objects are removed after its run.
 
     python benchmarks/bench_mooncake.py [--chunks 64] [--chunk-mib 2] [--batch 16] \\
-        [--repeats 5] [--segment-mib 512] [--out out/bench_mooncake.json]
+        [--repeats 11] [--segment-mib 512] [--out out/bench_mooncake.json]
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=64)
     ap.add_argument("--chunk-mib", type=float, default=2.0)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=11)
     ap.add_argument("--segment-mib", type=int, default=512, help="memory the holder contributes")
     ap.add_argument("--out", default="out/bench_mooncake.json")
     args = ap.parse_args()
