@@ -107,6 +107,7 @@ class RedisIndex:
         self._prefix = prefix
         self.channel = prefix + CHANNEL_SUFFIX
         self._writer = os.urandom(8)
+        self._pid = os.getpid()
         self._cap = options.local_index_max_entries
         self._lock = threading.Lock()
         self._entries: OrderedDict[ChunkKey, None] = OrderedDict()
@@ -144,7 +145,7 @@ class RedisIndex:
         return self._complete
 
     def may_contain(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        if not self._complete:
+        if not self._complete or os.getpid() != self._pid:  # (a forked child: no reader)
             return [True] * len(keys)
         with self._lock:
             entries = self._entries

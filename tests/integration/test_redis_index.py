@@ -294,3 +294,23 @@ def test_a_user_refused_info_still_gets_an_index(redis_tools: None, tmp_path: Pa
         b.close()
     finally:
         server.kill()
+
+
+_FORKED: list[RedisBackend] = []
+"""The tier a forked child inherits (a tier does not pickle)."""
+
+
+def _may_contain_in_child(k: bytes) -> bool:
+    return _FORKED[0].may_contain([k])[0]
+
+
+def test_a_forked_child_without_the_reader_asks_for_every_key(
+    tiers: Callable[..., RedisBackend],
+) -> None:
+    b = tiers()
+    wait_until(lambda: seeded(b), what="the seed")
+    assert b.may_contain([key(7)]) == [False]
+    _FORKED[:] = [b]
+    with mp.get_context("fork").Pool(1) as pool:  # (its index would never hear of new keys)
+        assert pool.apply(_may_contain_in_child, (key(7),)) is True
+    _FORKED.clear()
