@@ -245,10 +245,11 @@ def test_a_full_index_forgets_its_oldest_keys_and_counts_them(
 
 
 def test_without_local_index_every_key_may_be_there(tiers: Callable[..., RedisBackend]) -> None:
-    b = tiers(local_index=False)
-    time.sleep(0.3)
-    assert b.may_contain(keys(range(3))) == [True] * 3
-    assert "index_entries" not in b.stats()
+    on, off = tiers(), tiers(local_index=False)
+    wait_until(lambda: seeded(on), what="the seed")
+    assert on.may_contain(keys(range(3))) == [False] * 3
+    assert off.may_contain(keys(range(3))) == [True] * 3
+    assert "index_entries" not in off.stats()
 
 
 def test_on_a_cluster_the_index_seeds_from_every_master_and_follows_puts(
