@@ -7,8 +7,13 @@ each other's entries; each value is a :mod:`kvsdk.chunk_format` frame.
 Contract with the tiered store (bytes in, bytes out; framing is ours):
 
 - ``put([(key, payload)])`` frames the raw payload and ``SET``s it (``EX`` when
-  ``ttl_seconds`` is set), pipelined ``max_batch`` keys per round trip.
-  Returns per item whether the server acknowledged it.
+  ``ttl_seconds`` is set), pipelined ``max_batch`` keys per round trip, the
+  frame's header and the payload sent as they are (no copy; ``put_parts``
+  likewise with a payload in parts). Returns per item whether the server
+  acknowledged it.
+- ``may_contain(keys)`` answers from a local index of the namespace's keys
+  (:mod:`kvsdk.backends.redis_index`; ``local_index``), kept current across
+  processes: False where the server surely lacks a key.
 - ``get(keys)`` returns the verified payload (``memoryview``, flat bytes) or
   ``None``. A value that fails verification is a miss: counted, and deleted.
   Values are untrusted (``docs/security.md``): each is read with ``GETRANGE
@@ -25,8 +30,11 @@ gives misses (``None`` / ``False``), and opens a circuit breaker: the server
 is skipped for a backoff period (``backoff_initial`` doubling up to
 ``backoff_max``), then tried again; the first success closes it. Each round
 trip has a deadline as a whole, ``connect_timeout + socket_timeout`` plus
-its bytes at 64 MiB/s (a server dripping its reply a byte at a time holds no
-thread longer): past it, the round trip is such a failure (``timeouts``).
+its bytes at 8 MiB/s, which is also its socket timeout (a busy server's late
+reply is no failure; a server dripping its reply a byte at a time holds no
+thread longer): past it, the round trip is such a failure (``timeouts``). A
+broken connection is retried once; writes yield to reads and a write past
+its deadline stalls writes only (:mod:`kvsdk.backends.redis_routing`).
 In Cluster mode each node has its own breaker, so a dead node costs misses
 for its slots only. (Run the cluster with
 ``cluster-require-full-coverage no`` so the other nodes keep serving.)

@@ -451,17 +451,17 @@ class RedisIndex:
         msg = pubsub.get_message(timeout=wait)
         while msg is not None:
             if msg.get("type") == "message" and isinstance(msg.get("data"), bytes):
-                self._apply(msg["data"])
-                got += 1
+                got += self._apply(msg["data"])
             msg = pubsub.get_message(timeout=0.0)
         if got:
             with self._lock:
                 self._counts["index_applied"] += got
 
-    def _apply(self, data: bytes) -> None:
+    def _apply(self, data: bytes) -> int:
+        """Apply one message of another process (1), or skip one of this one's (0)."""
         kind, writer, keys = data[:1], data[1:9], data[9:]
         if writer == self._writer:
-            return
+            return 0
         if kind == KIND_CLEARED:
             with self._lock:
                 self._entries = OrderedDict()
@@ -471,6 +471,7 @@ class RedisIndex:
             self.seen(unpack(keys))
         elif kind == KIND_DELETED:
             self.gone(unpack(keys))
+        return 1
 
     def close(self) -> None:
         with self._outbox_cond:  # what this process stored last reaches the others
