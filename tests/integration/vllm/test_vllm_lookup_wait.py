@@ -6,6 +6,7 @@ loaded. Stepped by hand without a model (see test_vllm_scheduler_holds_blocks)."
 
 from __future__ import annotations
 
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,6 +28,9 @@ from kvsdk.plugins.vllm.workloads.model_free_scheduler import (
     model_free_scheduler,
     write_llama_config,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the redis-server helpers
+from redis_server import REDIS_SERVER, RedisServer, missing_tool
 
 BLOCK = 16
 CHUNK = 32
@@ -212,3 +216,66 @@ def test_a_prompt_vllms_own_cache_holds_is_never_deferred(
     assert "repeat" in so.num_scheduled_tokens
     (new,) = so.scheduled_new_reqs
     assert new.num_computed_tokens == PROMPT_TOKENS // BLOCK * BLOCK  # vLLM's own hit
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    if REDIS_SERVER is None:
+        missing_tool("redis-server not installed (apt-get install redis-server)")
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        yield server.url
+    finally:
+        server.kill()
+
+
+def slow_redis(url: str, latency_ms: float) -> dict[str, Any]:
+    """The Redis tier (its defaults: a local index on) slowed by ``latency_ms`` a call."""
+    return {
+        "backend": "faulty",
+        "latency_ms": latency_ms,
+        "wraps": {"backend": "redis", "url": url},
+    }
+
+
+def test_a_slow_redis_tier_with_its_index_defers_only_requests_it_can_serve(
+    model_dir: str, redis_url: str, engines: list[Engine]
+) -> None:
+    """Redis slowed to 300 ms a call: a prompt it never held runs in its first
+    step all the same (the tier's local index says no at once, the server is
+    not asked), while a prompt another engine wrote there is deferred,
+    promoted and loaded."""
+    writer = Engine(model_dir, [HOST, {"backend": "redis", "url": redis_url}])
+    engines.append(writer)
+    writer.add("w", prompt(5))
+    writer.step()
+    assert writer.write_to_shared_tier("w") == 4
+    e = Engine(model_dir, [HOST, slow_redis(redis_url, 300)])
+    engines.append(e)
+    tier = e.connector.sched.core.store.lower[0]
+    deadline = time.monotonic() + 30
+    while tier.stats().get("index_seeded", 1) != 1:  # its start-up scan of the server
+        assert time.monotonic() < deadline, "the Redis tier's index never seeded"
+        time.sleep(0.05)
+    for n in range(3):
+        e.add(f"new{n}", prompt(10 + n))
+        assert f"new{n}" in e.step().num_scheduled_tokens
+    unindexed = slow_redis(redis_url, 300)
+    unindexed["wraps"]["local_index"] = False
+    without = Engine(model_dir, [HOST, unindexed])  # what the index saves
+    engines.append(without)
+    without.add("new", prompt(20))
+    assert "new" not in without.step().num_scheduled_tokens
+    e.add("hit", prompt(5))
+    deferred = 0
+    for _ in range(400):
+        so = e.step()
+        meta = so.kv_connector_metadata
+        assert isinstance(meta, KVSDKConnectorMetadata)
+        if any(rid == "hit" for rid, _ in meta.loads.values()):
+            break
+        assert "hit" not in so.num_scheduled_tokens
+        deferred += 1
+    else:
+        raise AssertionError("the request with a hit was never loaded")
+    assert deferred >= 1
