@@ -1,4 +1,5 @@
-"""The conformance checks of declared capabilities: ``get_into``, scatter/gather
+"""The conformance checks of declared capabilities: ``get_into``, scatter/gather,
+the local index (``may_contain``),
 I/O, ``capacity_bytes`` and ``corrupt_count``. A flag a backend sets must be
 backed by its own method; the base class's defaults must work for everyone."""
 
@@ -75,3 +76,30 @@ def check_capacity_and_counters(h: Harness) -> None:
     )
     n = b.corrupt_count()
     require(isinstance(n, int) and n >= 0, f"corrupt_count() is {n!r}; expected an int >= 0")
+
+
+def check_local_index(h: Harness) -> None:
+    """may_contain() answers one bool per key, from memory; with
+    supports_local_index, never False for a key this instance stored (its own
+    writes are in its index at once), and the base class's says True for all."""
+    b = h.fresh()
+    cls = type(b)
+    require(
+        cls.may_contain is not Backend.may_contain or not cls.supports_local_index,
+        f"{cls.__name__}.supports_local_index is True but may_contain() is the base class's",
+    )
+    stored = [key_for("index", i) for i in range(4)]
+    put_all(b, [(k, payload_for("index", 512)) for k in stored], "four keys")
+    absent = key_for("index-never-stored")
+    said = b.may_contain([*stored, absent])
+    require(
+        isinstance(said, list) and len(said) == len(stored) + 1,
+        f"may_contain() of 5 keys returned {said!r}; expected 5 bools",
+    )
+    require(
+        all(said[: len(stored)]),
+        f"may_contain() said {said[: len(stored)]} for keys this instance just stored; "
+        "a local index must never say False for them",
+    )
+    if not b.supports_local_index:
+        require(said[-1], "without a local index may_contain() must say True for every key")

@@ -16,6 +16,7 @@ from kvsdk.chunk_format import CorruptChunk, decode_chunk, encode_chunk
 from kvsdk.testing.capability_checks import (
     check_capacity_and_counters,
     check_get_into,
+    check_local_index,
     check_scatter_gather,
 )
 from kvsdk.testing.harness import (
@@ -499,6 +500,7 @@ CHECKS: dict[str, Callable[[Harness], None]] = {
     "get_into": check_get_into,
     "scatter_gather": check_scatter_gather,
     "capacity_and_counters": check_capacity_and_counters,
+    "local_index": check_local_index,
     "persistent": check_persistent,
     "shared": check_shared,
 }
