@@ -87,6 +87,10 @@ def test_redis_killed_and_restarted_logs_one_down_and_one_up_line(
             "socket_timeout": 0.2,
             "backoff_initial": 0.05,
             "backoff_max": 0.2,
+            # every lookup below must reach the server (the index would answer
+            # these never-stored keys itself; it is tested at its default in
+            # test_redis_index.py and test_vllm_lookup_wait.py)
+            "local_index": False,
         }
     )
 
