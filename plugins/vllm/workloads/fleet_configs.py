@@ -56,9 +56,19 @@ class TierSpec:
     def reset(self, shared: Shared) -> None:
         """Empty the tier before a run (each configuration starts cold)."""
 
-    def tier(self, shared: Shared) -> dict[str, Any]:
-        """The tier's entry in kvsdk's ``tiers`` list."""
+    def tier(self, shared: Shared) -> dict[str, Any] | None:
+        """The tier's entry in kvsdk's ``tiers`` list (None: the host tier alone)."""
         raise NotImplementedError
+
+
+class HostOnly(TierSpec):
+    """No shared tier: each engine's host tier alone (what kvsdk costs an engine
+    before any write-through)."""
+
+    name = "host"
+
+    def tier(self, shared: Shared) -> dict[str, Any] | None:
+        return None
 
 
 class RedisTier(TierSpec):
@@ -101,7 +111,7 @@ class DiskTier(TierSpec):
         return {"backend": "disk", "path": str(self.path(shared))}
 
 
-TIERS: dict[str, TierSpec] = {t.name: t for t in (RedisTier(), DiskTier())}
+TIERS: dict[str, TierSpec] = {t.name: t for t in (RedisTier(), DiskTier(), HostOnly())}
 """kvsdk tiers below the host tier, by name (``kvsdk-NAME-POLICY``)."""
 
 
@@ -151,8 +161,9 @@ class FleetConfig:
         on ``metrics_port`` (the lookup-wait histogram is served there only)."""
         if self.tier is None:
             return None
+        below = self.tier.tier(shared)
         config = {
-            "tiers": [{"backend": "cpu", "capacity": host_bytes}, self.tier.tier(shared)],
+            "tiers": [{"backend": "cpu", "capacity": host_bytes}, *([below] if below else [])],
             "metrics": {"prometheus_port": metrics_port},
         }
         return {
