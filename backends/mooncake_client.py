@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvsdk.backend import BackendError
+from kvsdk.backends.breaker import Breaker
 from kvsdk.backends.mooncake_options import MooncakeOptions
 from kvsdk.burst_log import BurstLog
 
@@ -83,32 +84,6 @@ def address_of(buf: Any) -> int:
     """The address of a flat, contiguous byte buffer (``bytes`` included: Mooncake
     only reads it then)."""
     return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
-
-
-class Breaker:
-    """Skip the store for a growing backoff after each failure."""
-
-    def __init__(self, initial: float, cap: float) -> None:
-        self._initial = initial
-        self._cap = cap
-        self._backoff = initial
-        self._open_until = 0.0
-        self._lock = threading.Lock()
-
-    def allow(self) -> bool:
-        return time.monotonic() >= self._open_until
-
-    def failed(self) -> float:
-        with self._lock:
-            pause = self._backoff
-            self._open_until = time.monotonic() + pause
-            self._backoff = min(self._cap, self._backoff * 2)
-            return pause
-
-    def succeeded(self) -> None:
-        if self._backoff != self._initial:
-            with self._lock:
-                self._backoff = self._initial
 
 
 class Connection:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from typing import Any
 
 from redis.exceptions import AuthenticationError, ClusterError, RedisClusterException
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from kvsdk.backends.breaker import Breaker
 from kvsdk.backends.redis_options import RedisOptions, mask_url, redact
 from kvsdk.burst_log import BurstLog
 
@@ -32,36 +32,6 @@ COUNTERS = (
     "write_timeouts", "writes_yielded",
 )  # fmt: skip
 """The counters ``stats()`` reports, in its order."""
-
-
-class Breaker:
-    """Skip a server for a growing backoff after each failure."""
-
-    def __init__(self, initial: float, cap: float) -> None:
-        self._initial = initial
-        self._cap = cap
-        self._backoff = initial
-        self._open_until = 0.0
-        self._lock = threading.Lock()
-
-    def allow(self) -> bool:
-        return time.monotonic() >= self._open_until
-
-    @property
-    def is_open(self) -> bool:
-        return not self.allow()
-
-    def failed(self) -> float:
-        with self._lock:
-            pause = self._backoff
-            self._open_until = time.monotonic() + pause
-            self._backoff = min(self._cap, self._backoff * 2)
-            return pause
-
-    def succeeded(self) -> None:
-        if self._backoff != self._initial:
-            with self._lock:
-                self._backoff = self._initial
 
 
 class Health:
