@@ -226,15 +226,23 @@ class MooncakeReads:
         added to ``bad`` when it is to be removed)."""
         try:
             return decode_chunk(frame, namespace_fp=self._ns, key=key, mac_key=self._mac)
-        except UnverifiableChunk as exc:
+        except (UnverifiableChunk, CorruptChunk) as exc:
+            self._rejected(key, exc, bad)
+        return None
+
+    def _rejected(
+        self, key: ChunkKey, exc: UnverifiableChunk | CorruptChunk, bad: list[ChunkKey]
+    ) -> None:
+        """A frame that did not verify: counted and warned of; a corrupt one's
+        ``key`` added to ``bad`` (to be removed)."""
+        if isinstance(exc, UnverifiableChunk):
             self._conn.count("unverifiable")
             self._conn.burst.warning("unverifiable", "mooncake tier: %s", exc.reason)
-        except CorruptChunk as exc:
-            self._conn.count("corrupt")
-            self._conn.burst.warning("corrupt", "mooncake tier: dropping %s: %s",
-                                     self._mkey(key), exc.reason)  # fmt: skip
-            bad.append(key)
-        return None
+            return
+        self._conn.count("corrupt")
+        self._conn.burst.warning("corrupt", "mooncake tier: dropping %s: %s",
+                                 self._mkey(key), exc.reason)  # fmt: skip
+        bad.append(key)
 
     def get_into(self, keys: Sequence[ChunkKey], outs: Sequence[memoryview]) -> list[bool]:
         return self.get_into_parts(keys, [[o] for o in outs])
@@ -293,14 +301,8 @@ class MooncakeReads:
                         part, at = next(parts, None), 0
             check.finish()
             return True
-        except UnverifiableChunk as exc:
-            self._conn.count("unverifiable")
-            self._conn.burst.warning("unverifiable", "mooncake tier: %s", exc.reason)
-        except CorruptChunk as exc:
-            self._conn.count("corrupt")
-            self._conn.burst.warning("corrupt", "mooncake tier: dropping %s: %s",
-                                     self._mkey(key), exc.reason)  # fmt: skip
-            bad.append(key)
+        except (UnverifiableChunk, CorruptChunk) as exc:
+            self._rejected(key, exc, bad)
         return False
 
     # -- removal ---------------------------------------------------------------------------
