@@ -6,9 +6,11 @@ the previous turn's answer stays in the history (the answers are seeded
 tokens, not the model's: every configuration sends the very same prompts).
 Prompts are token ids (the router's ``cache_aware`` matches prefixes on token
 ids only). A round's requests are shuffled and sent in that order, a few ms
-apart, with at most ``concurrency`` in flight: the router sees them in the
-same order in every configuration, so round robin assigns them alike. The
-next round starts when the last request of this one has finished.
+apart, with at most ``concurrency`` in flight: the router normally sees them
+in the same order in every configuration, so round robin assigns them alike
+(on a loaded machine two sends can still swap; each row's local hit share
+shows where the requests went). The next round starts when the last request
+of this one has finished.
 """
 
 from __future__ import annotations
