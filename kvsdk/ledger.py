@@ -13,8 +13,14 @@ Calls per scheduler step, in order:
    forward pass writes to KV.
 
 Completions arrive from ``complete(job_id, count)``, one count per worker;
-a job is done when all ``num_workers`` reported. ``reset()`` discards all
-jobs; completions of ids issued before it are ignored (stale threshold).
+a job is done when all ``num_workers`` reported.
+
+``reset()`` is a fence: the jobs in flight leave their requests (nothing of
+them is credited to a request again, and job ids are never reused) but stay
+counted until their workers report them, because those workers still copy
+into or out of the jobs' host slots. ``complete`` returns such a job (its
+``before_reset`` set) once every worker reported it, and only then may its
+slots be freed; ``in_flight_jobs()`` lists the jobs a reset is about to fence.
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ class Job:
     deferred_fence_block_ids: tuple[int, ...] = ()
     """Watched once the request finishes (before that, the request holds them)."""
     failed: bool = False
+    before_reset: bool = False
+    """Issued before a reset: it belongs to no request now; its slots are
+    released when ``complete`` returns it."""
 
 
 @dataclass(slots=True)
@@ -54,6 +63,8 @@ class JobLedger:
         self._next_id: JobId = 0
         self._stale_below: JobId = 0
         self._jobs: dict[JobId, Job] = {}
+        self._fenced: dict[JobId, Job] = {}
+        """Jobs in flight at a reset, until every worker reported them."""
         self._requests: dict[ReqKey, _Request] = {}
         self._block_fences: dict[int, set[JobId]] = {}
         self._allocated_this_step: set[int] = set()
@@ -88,8 +99,17 @@ class JobLedger:
     def num_fenced_blocks(self) -> int:
         return len(self._block_fences)
 
+    @property
+    def num_jobs_before_reset(self) -> int:
+        """Jobs issued before a reset whose workers have not all reported yet."""
+        return len(self._fenced)
+
+    def in_flight_jobs(self) -> list[Job]:
+        """The jobs in flight now (those a ``reset`` would fence)."""
+        return list(self._jobs.values())
+
     def is_empty(self) -> bool:
-        return not (self._jobs or self._block_fences or self._requests)
+        return not (self._jobs or self._block_fences or self._requests or self._fenced)
 
     def tracked_requests(self) -> frozenset[ReqKey]:
         return frozenset(self._requests)
@@ -187,10 +207,11 @@ class JobLedger:
 
     def complete(self, job_id: JobId, count: int = 1, *, failed: bool = False) -> Job | None:
         """Record ``count`` worker reports; returns the job once all reported.
-        Reports for ids issued before the last reset are ignored."""
+        A job issued before a reset is returned with ``before_reset`` set (its
+        host slots may be freed now); reports of ids nobody waits for are ignored."""
         assert count > 0
         if job_id < self._stale_below:
-            return None
+            return self._complete_fenced(job_id, count, failed)
         job = self._jobs[job_id]
         job.failed |= failed
         job.pending_workers -= count
@@ -206,11 +227,26 @@ class JobLedger:
         self._maybe_forget(job.req_id)
         return job
 
+    def _complete_fenced(self, job_id: JobId, count: int, failed: bool) -> Job | None:
+        job = self._fenced.get(job_id)
+        if job is None:
+            return None
+        job.failed |= failed
+        job.pending_workers -= count
+        assert job.pending_workers >= 0, f"job {job_id} over-reported"
+        if job.pending_workers:
+            return None
+        return self._fenced.pop(job_id)
+
     def reset(self) -> set[JobId]:
-        """Discard every job; returns the ids workers must still flush."""
+        """Take every job from its request (fenced until its workers report it,
+        see the module's docstring); returns the ids workers must still flush."""
         assert not self._allocated_this_step, "reset() inside a scheduler step"
         flush = set(self._jobs) | self._flush_this_step
         self._stale_below = self._next_id
+        for job in self._jobs.values():
+            job.before_reset = True
+        self._fenced.update(self._jobs)
         self._jobs.clear()
         self._block_fences.clear()
         for req_id in [rid for rid, r in self._requests.items() if r.finished]:

@@ -33,6 +33,8 @@ class LoadJobs:
         """This step's loads, not handed to the workers yet."""
         self._jobs: dict[int, TransferJob] = {}
         """Load jobs in flight (the engine blocks of a failed one are reported back)."""
+        self._before_reset: dict[int, TransferJob] = {}
+        """Load jobs in flight at a reset, until their workers report them."""
 
     def add(self, r: RequestState, end: int) -> None:
         """Queue the load that continues ``r`` at ``end`` tokens from
@@ -88,7 +90,20 @@ class LoadJobs:
             self.loading.add(new)
 
     def reset(self) -> None:
-        """Forget the loads in flight (they keep their slots pinned until they complete)."""
+        """Forget the loads in flight: their slots stay pinned, and the engine
+        blocks of one that fails are still reported, when it completes
+        (:meth:`completed_after_reset`)."""
         self.being_loaded.clear()
+        self._before_reset.update(self._jobs)
         self._jobs.clear()
         self.loading.clear()
+
+    def completed_after_reset(self, job: Job) -> Sequence[int]:
+        """Load ``job``, issued before a reset, finished: its slots are unpinned
+        (the store frees them); the engine blocks it was to fill if it failed."""
+        load = self._before_reset.pop(job.job_id, None)
+        self.store.complete_load(job.keys)
+        if not job.failed or load is None:
+            return ()
+        self.metrics.inc("kvsdk_failed_jobs_total", direction="load")
+        return [b for c in load.copies for b in c.engine_blocks]

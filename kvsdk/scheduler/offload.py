@@ -354,6 +354,11 @@ class OffloadScheduler:
             job = self.ledger.complete(res.job_id, res.workers, failed=not res.ok)
             if job is None:
                 continue
+            if job.before_reset:  # the reset's fence: its slots are free from now on
+                if not job.is_store:
+                    failed_blocks.update(self._loads.completed_after_reset(job))
+                self.store.release(job.keys)
+                continue
             if job.is_store:
                 (stored_failed if job.failed else stored_ok).extend(job.keys)
                 if job.failed:
@@ -415,6 +420,7 @@ class OffloadScheduler:
     def has_pending_work(self) -> bool:
         return (
             self.ledger.num_jobs > 0
+            or self.ledger.num_jobs_before_reset > 0
             or bool(self._awaiting_final_store)
             or self.store.has_pending_work()
         )
@@ -427,7 +433,13 @@ class OffloadScheduler:
         (:func:`~kvsdk.keys.epoch_fingerprint`), so nothing stored before
         the reset is served to this instance after it, while the shared
         tiers keep every entry for the other instances (a full wipe is
-        ``kvsdk clear``)."""
+        ``kvsdk clear``).
+
+        A fence for the engine's workers: the host slots their jobs in flight
+        copy into or out of stay taken until those jobs are reported
+        (:meth:`worker_results`), and those reports are credited to no
+        request; the returned ids ask the workers to finish them first."""
+        held = [k for job in self.ledger.in_flight_jobs() for k in job.keys]
         self._keys.new_epoch(epoch_fingerprint(self.namespace.fingerprint, os.urandom(16)))
         self._resets += 1
         flush = self.ledger.reset()
@@ -442,8 +454,8 @@ class OffloadScheduler:
             r.keys = [[] for _ in self.groups]  # the new epoch's, derived again when needed
             r.tail = None  # its key is the old epoch's
             self._pacing.update(r)
-        self._loads.reset()  # loads still in flight keep their slots pinned until they complete
-        self.store.reset()
+        self._loads.reset()
+        self.store.reset(held)
         return frozenset(flush)
 
     def take_events(self) -> list[KVEvent]:

@@ -626,10 +626,17 @@ class TieredStore:
             self._record(EventKind.STORED, good, 0)
 
     # -- reset / shutdown -------------------------------------------------------------------
-    def reset(self) -> None:
+    def reset(self, held: Sequence[ChunkKey] = ()) -> None:
         """Drop this instance's view without waiting for any I/O: every host
         entry, lookup, promotion and query in flight, and what admission learnt
         of the traffic (it decides afresh, as at startup).
+
+        ``held``: keys of the engine workers' jobs still in flight (a store
+        copying into its reserved slots, a load copying out of pinned ones;
+        a key once per job). Their entries keep their slots, never readable
+        again, until :meth:`release` of each job's keys when its workers
+        reported it: a slot is never handed to a new store or promotion while
+        a worker may still write or read it.
 
         The slower tiers are shared with other instances and are not touched:
         their entries stay for everyone else (a full wipe is ``kvsdk clear``).
@@ -648,10 +655,19 @@ class TieredStore:
         if self.second_sight is not None:
             self.second_sight.reset()
         self._store_tenant.clear()
-        self.host.clear(keep=[k for io in busy for k in io.keys])
+        held = [k for k in held if self.host.contains(k)]
+        self.host.pin(held)  # one hold per job, dropped by release()
+        self.host.clear(keep=[*(k for io in busy for k in io.keys), *held])
         self.events.reset()
         for t in range(len(self.tiers)):  # this instance's view of every tier is empty now
             self._record(EventKind.CLEARED, [], t)
+
+    def release(self, keys: Sequence[ChunkKey]) -> None:
+        """A job held at :meth:`reset` (``held``) was reported by its workers:
+        its hold goes, and its entries with it once nothing else holds them
+        (a load's own pin goes first, through :meth:`complete_load`)."""
+        self.host.unpin(keys)
+        self.host.delete(keys)
 
     def shutdown(self) -> None:
         """Finish the I/O in flight, then close every tier. (The lifecycle hooks

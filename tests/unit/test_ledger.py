@@ -71,16 +71,21 @@ def test_preemption_flushes_the_requests_stores() -> None:
     assert ledger.end_step() == {jid}
 
 
-def test_reset_discards_jobs_and_ignores_their_late_completions() -> None:
+def test_reset_fences_jobs_in_flight_until_every_worker_reported_them() -> None:
     ledger = JobLedger(num_workers=2)
     old = ledger.add_store("r", [b"k"], fenced_block_ids=[1])
     ledger.end_step()
     assert ledger.reset() == {old}
     assert ledger.end_step() == {old}  # workers still get told to flush it
-    assert ledger.complete(old) is None
-    assert ledger.complete(old) is None
+    assert not ledger.has_jobs("r")  # the request owns it no more
+    assert ledger.num_jobs == 0 and ledger.num_jobs_before_reset == 1
     new = ledger.add_load("r", [b"k"])
     assert new > old
+    assert ledger.complete(old) is None  # one worker of two
+    assert not ledger.is_empty()  # its slots are still being written
+    job = ledger.complete(old)
+    assert job is not None and job.before_reset and job.keys == (b"k",)
+    assert ledger.complete(old) is None  # a report nobody waits for is ignored
     ledger.complete(new, 2)
     ledger.request_finished("r")
     ledger.forget("r")
