@@ -13,9 +13,36 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
 os.environ["PYTHONSAFEPATH"] = "1"
+
+
+@pytest.fixture(autouse=True)
+def _close_redis_backends(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every redis tier a test opens is closed when the test ends: its local
+    index's threads would otherwise keep retrying the test's (stopped) server
+    for the rest of the session, and log it into later tests' output."""
+    try:
+        from kvsdk.backends.redis import RedisBackend
+    except ImportError:  # an environment without redis-py (the SGLang venv)
+        yield
+        return
+    opened: list[RedisBackend] = []
+    init = RedisBackend.__init__
+
+    def tracked(self: RedisBackend, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        opened.append(self)
+
+    monkeypatch.setattr(RedisBackend, "__init__", tracked)
+    yield
+    for backend in opened:
+        backend.close()  # a second close (the test's own) does nothing more
