@@ -375,8 +375,9 @@ class KVSDKStorage(HiCacheStorage):  # type: ignore[misc,unused-ignore]
             host_pool,
             self.pool.geometry.page_tokens,
         )
-        if self._mamba is not None:
-            self._mamba.close()
+        old, self._mamba = self._mamba, None  # a failed open leaves no closed chain in use
+        if old is not None:
+            old.close()
         self._mamba = MambaStates.open(
             host_pool, namespace, replace(self.config, tiers=self._tier_configs), self.metrics
         )
