@@ -48,4 +48,5 @@ fi
 if [[ "${1:-}" == "vllm" ]]; then
     VENV="$VENV" scripts/install_vllm.sh
     VENV="$VENV" scripts/install_vllm_router.sh   # the router of `kvsdk bench fleet`
+    VENV="$VENV" scripts/install_lmcache.sh       # LMCache, a peer of bench_vllm_connector.py
 fi
