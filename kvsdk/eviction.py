@@ -2,7 +2,14 @@
 
 A policy tracks resident keys only; it never decides *whether* a key may
 leave (pinned or in-flight entries are the tier's business), so ``victims``
-takes a predicate. Policies are plugins: the built-ins below register through
+takes a predicate.
+
+Tail first: tiers give ``insert_many`` and ``touch_many`` a batch in chain
+order (a prompt's first chunk first), and a policy applies the batch from its
+end, so that of chunks stored or used together the head is the most recent
+and the tail leaves first. Every prompt with a given prefix needs that
+prefix's first chunk, only some of them its eighth; a chain that lost its
+tail still serves its head, one that lost its head serves nothing. Policies are plugins: the built-ins below register through
 the ``kvsdk_eviction_policies`` hook exactly as a third-party one would.
 """
 
@@ -10,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 
 from kvsdk.hooks import hookimpl
@@ -30,14 +37,16 @@ class EvictionPolicy(ABC):
     def touch(self, key: ChunkKey) -> None:
         """A resident key was used (hit, load, re-store)."""
 
-    def touch_many(self, keys: Iterable[ChunkKey]) -> None:
-        """``touch`` of each key, in order (a policy may do it in one loop)."""
-        for key in keys:
+    def touch_many(self, keys: Sequence[ChunkKey]) -> None:
+        """``keys`` (in chain order) were used together: ``touch`` of each, the
+        last one first, so the head ends the most recent (tail first, above)."""
+        for key in reversed(keys):
             self.touch(key)
 
-    def insert_many(self, keys: Iterable[ChunkKey]) -> None:
-        """``insert`` of each key, in order."""
-        for key in keys:
+    def insert_many(self, keys: Sequence[ChunkKey]) -> None:
+        """``keys`` (in chain order) became resident together: ``insert`` of
+        each, the last one first (tail first, above)."""
+        for key in reversed(keys):
             self.insert(key)
 
     @abstractmethod
@@ -85,17 +94,17 @@ class LRUPolicy(EvictionPolicy):
         if key in self._order:
             self._order.move_to_end(key)
 
-    def touch_many(self, keys: Iterable[ChunkKey]) -> None:
+    def touch_many(self, keys: Sequence[ChunkKey]) -> None:
         order = self._order
         move = order.move_to_end
-        for key in keys:
+        for key in reversed(keys):
             if key in order:
                 move(key)
 
-    def insert_many(self, keys: Iterable[ChunkKey]) -> None:
+    def insert_many(self, keys: Sequence[ChunkKey]) -> None:
         order = self._order
         move = order.move_to_end
-        for key in keys:
+        for key in reversed(keys):
             order[key] = None
             move(key)
 

@@ -21,6 +21,11 @@ up after F failures / S s`` once (:class:`TierHealth`):
   (``read_into_parts``: each payload into a list of buffers); a read with
   misses moves the tier's new integrity failures into ``kvsdk_corrupt_chunks_total``
 - ``write(keys, payloads)``        write-through; the keys each tier took
+
+Batches reach a tier tail first: ``read_into`` and ``write`` take keys in
+chain order (a prompt's first chunk first) and hand them to the tier
+reversed, so a tier that orders eviction by use (the disk tier, Redis' LRU)
+uses a chain's head last and evicts its tail first (see :mod:`kvsdk.eviction`).
 - ``delete(t, keys)`` / ``clear()``
 
 Bookkeeping (events and byte counters, under :attr:`lock`):
@@ -196,8 +201,8 @@ class TierChain:
     def _read(
         self, t: int, fn: Callable[..., list[bool]], keys: Sequence[ChunkKey], outs: Sequence[_T]
     ) -> list[bool]:
-        got = self._call(t, "get", lambda k: fn(k, outs), keys)
-        ok = [False] * len(keys) if got is None else [bool(x) for x in got]
+        got = self._call(t, "get", lambda k: fn(k[::-1], outs[::-1]), keys)  # tail first
+        ok = [False] * len(keys) if got is None else [bool(x) for x in reversed(got)]
         if not all(ok):
             self._count_corrupt(t)
         return ok
@@ -211,14 +216,14 @@ class TierChain:
         """Write through to every tier (or the tiers numbered ``tiers``): the keys
         each tier took (none where it failed). Payloads given as lists of parts
         go to ``put_parts``."""
-        items = list(zip(keys, payloads))
+        items = list(zip(keys, payloads))[::-1]  # tail first (the module's docstring)
         in_parts = bool(payloads) and isinstance(payloads[0], (list, tuple))
         stored: dict[int, list[ChunkKey]] = {}
         for t in self.numbers if tiers is None else tiers:
             tier = self.tier(t)
             put: Callable[[list[Any]], list[bool]] = tier.put_parts if in_parts else tier.put
             ok = self._call(t, "put", put, items)
-            stored[t] = [] if ok is None else [k for k, good in zip(keys, ok) if good]
+            stored[t] = [] if ok is None else [k for k, good in zip(keys, reversed(ok)) if good]
         return stored
 
     def delete(self, t: int, keys: Sequence[ChunkKey]) -> int:
