@@ -1,5 +1,12 @@
 """Lookups: the tokens past the engine's own that a request can load now (the
-planner's hit, extended by the prompt's tail), and the lookup metrics."""
+planner's hit, extended by the prompt's tail), and the lookup metrics.
+
+A hit is a promise the engine may cut or decline before it allocates (vLLM:
+one token fewer where it loads in the step, a sub-block tail where its own
+cache holds the block, every tail hit where its auxiliary outputs cap hits to
+whole cached blocks, ``cap_external_hit``). ``kvsdk_hit_tokens_total`` counts
+the tokens the engine took (:meth:`Lookups.accepted`), not the promise: a
+declined hit loads nothing and counts nothing."""
 
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ class Lookups:
         self._sync_delay = metrics.histogram("kvsdk_lookup_delay_seconds", kind="sync")
         self._sync_delays: list[float] = []
         self._hit_tokens = 0
-        """Planner times and promised tokens not yet in the metrics (flushed once per step)."""
+        """Planner times and accepted hit tokens not yet in the metrics (flushed once per step)."""
 
     def hit(
         self,
@@ -57,8 +64,12 @@ class Lookups:
                 r.deferred_since = start
             return None
         self.end_deferral(r, now)
-        self._hit_tokens += hit
         return hit
+
+    def accepted(self, num_tokens: int) -> None:
+        """The engine allocated blocks for ``num_tokens`` of a hit (what it
+        took of the promise): counted as hit tokens."""
+        self._hit_tokens += num_tokens
 
     def _plan(
         self,
@@ -129,7 +140,7 @@ class Lookups:
             r.deferred_since = None
 
     def flush_metrics(self) -> None:
-        """Put the planner times and promised tokens gathered since the last flush
+        """Put the planner times and accepted hit tokens gathered since the last flush
         into the metrics (once per step)."""
         if self._hit_tokens:
             self.metrics.inc("kvsdk_hit_tokens_total", self._hit_tokens)

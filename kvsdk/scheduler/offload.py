@@ -14,7 +14,7 @@ from kvsdk.planner import LookupPlanner
 from kvsdk.scheduler.chunk_keys import ChunkKeys
 from kvsdk.scheduler.load_jobs import LoadJobs
 from kvsdk.scheduler.lookup import Lookups
-from kvsdk.scheduler.request import RequestState
+from kvsdk.scheduler.request import RequestState, follow_hashes
 from kvsdk.scheduler.steps import NO_JOBS, StepJobs, WorkerResult
 from kvsdk.scheduler.store_jobs import Candidate, StoreJobs
 from kvsdk.scheduler.store_pacing import StorePacing
@@ -186,12 +186,18 @@ class OffloadScheduler:
         return out
 
     def hashes_grew(self, req_id: ReqId, block_hashes: Sequence[bytes]) -> None:
-        """The engine hashed more full blocks of a request (``block_hashes``: all
-        of them so far, of which kvsdk copies the ones it lacks). Call before a
-        lookup, a step that may store its chunks, and its finish."""
+        """The engine hashed more full blocks of a request, or rewound some
+        (``block_hashes``: all of them so far; see
+        :func:`~kvsdk.scheduler.request.follow_hashes`). Call before a lookup,
+        a step that may store its chunks, and its finish."""
         r = self._requests.get(req_id)
-        if r is not None and len(block_hashes) > len(r.hashes):
-            r.hashes.extend(block_hashes[len(r.hashes) :])
+        if r is None:
+            return
+        withdrawn = follow_hashes(r, block_hashes, self.groups, self.tokens_per_hash)
+        if withdrawn is not None:  # rewound: nothing keyed by a dropped hash is stored
+            if withdrawn:
+                self.ledger.distrust(self.ledger.jobs_of(req_id))
+            self._pacing.update(r)
 
     def is_loading(self, req_id: ReqId) -> bool:
         """Whether a load into ``req_id``'s blocks has not been reported done."""
@@ -246,6 +252,7 @@ class OffloadScheduler:
                 f"kvsdk: request {req_id!r} was allocated {num_external_tokens} tokens promised "
                 "before a reset; look it up again after reset_prefix_cache"
             )
+        self._lookups.accepted(num_external_tokens)  # a declined hit (0) counts nothing
         end = r.num_computed_local + num_external_tokens
         self._loads.add(r, end)
         for gi, g in enumerate(self.groups):  # loaded chunks need no store

@@ -47,6 +47,47 @@ class RequestState:
         return self.tail.keys[gi]
 
 
+def follow_hashes(
+    r: RequestState,
+    block_hashes: Sequence[bytes],
+    groups: Sequence[KVGroupSpec],
+    tokens_per_hash: int,
+) -> int | None:
+    """Bring ``r.hashes`` to the engine's ``block_hashes`` (all of the request's
+    so far). Most calls append what grew. A *rewind* is a list shorter than
+    kvsdk's copy, or one that differs at its last hash (engine hashes are
+    chained: each names its whole prefix, so a difference anywhere shows
+    there): e.g. vLLM's streaming session, whose next input replaces the last
+    sampled token and the hash of a block that held it. Then everything of
+    ``r`` derived from a hash the engine no longer holds goes: the hashes from
+    the first that differs, the keys of chunks ending past it, the prompt's tail
+    if the rewind reaches its tokens; chunks from there are offered for storing
+    again (under the keys of the new hashes). Returns None when nothing was
+    rewound, else how many chunks (over all groups) had been offered for
+    storing and are withdrawn: stores of them still in flight may read blocks
+    the engine rewrites, and are the caller's to distrust."""
+    mine = r.hashes
+    n = len(mine)
+    rewound = None
+    if n and (len(block_hashes) < n or block_hashes[n - 1] != mine[-1]):
+        cut = next(
+            (i for i, (a, b) in enumerate(zip(mine, block_hashes)) if a != b),
+            min(n, len(block_hashes)),
+        )
+        del mine[cut:]
+        rewound = 0
+        for gi, g in enumerate(groups):
+            keep = cut // (g.tokens_per_chunk // tokens_per_hash)
+            del r.keys[gi][keep:]
+            rewound += max(0, r.next_store_chunk[gi] - keep)
+            r.next_store_chunk[gi] = min(r.next_store_chunk[gi], keep)
+        if r.tail is not None and cut * tokens_per_hash < r.tail.end:
+            r.tail = None  # its tokens (or the chunk hash it chains to) may be gone
+    if len(block_hashes) > len(mine):
+        mine.extend(block_hashes[len(mine) :])
+    return rewound
+
+
 class StoreCopies(NamedTuple):
     keys: list[ChunkKey]
     copies: tuple[BlockCopies, ...]
