@@ -8,6 +8,14 @@ the request, see :func:`~kvsdk.plugins.vllm.scheduler_side.loads_in_step`);
 elsewhere asynchronous (the request waits in ``WAITING_FOR_REMOTE_KVS`` until
 its load lands). Stores are submitted after the forward pass; blocks about to
 be reused are flushed first (``handle_preemptions``).
+
+Worker call order: vLLM 0.32 calls ``wait_for_save`` before ``get_finished``;
+0.33's model runner V2 with a drafter calls ``get_finished`` first and
+``wait_for_save`` after the drafter ran. Either is right: the step's stores are
+counted per request in ``start_load_kv`` (before both), so a finished request
+is released only once its stores, submitted in either order, are done.
+
+Sleep mode is refused (see :mod:`kvsdk.plugins.vllm.sleep_mode`).
 """
 
 from __future__ import annotations
@@ -44,10 +52,12 @@ from kvsdk.plugins.vllm.messages import (
     KVSDKWorkerMetadata,
 )
 from kvsdk.plugins.vllm.scheduler_side import SchedulerSide, recompute_failed_loads
+from kvsdk.plugins.vllm.sleep_mode import sleep_mode_problem
 from kvsdk.plugins.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVTransferConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -65,6 +75,8 @@ class KVSDKConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        if (problem := sleep_mode_problem(vllm_config)) is not None:
+            raise ConfigError(problem)  # vLLM 0.32 does not ask supports_sleep_mode
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -80,6 +92,11 @@ class KVSDKConnector(KVConnectorBase_V1, SupportsHMA):
             pp_rank, tp_rank = get_pp_group().rank_in_group, get_tp_group().rank_in_group
             self.layout = engine_layout(vllm_config, kv_cache_config, pp_rank=pp_rank)
             self._worker = WorkerSide(self.layout, pp_rank, tp_rank)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """No (vLLM 0.33 refuses sleep mode with kvsdk): see :mod:`~kvsdk.plugins.vllm.sleep_mode`."""
+        return False
 
     @property
     def requires_kv_delivery(self) -> bool:

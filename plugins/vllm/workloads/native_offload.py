@@ -16,7 +16,9 @@ events, metrics) and swaps in a worker that copies with torch on the host:
   8-byte words where the layout allows, so both connectors copy the same way;
 - loads run on the calling thread (they are done when ``submit_load`` returns:
   on a CPU the copy shares cores with compute, and a copy thread would queue
-  behind the model runner for the GIL); stores run in submission order on one
+  behind the model runner for the GIL), so vLLM 0.33's expedited loads
+  (``submit_load(..., expedited=True)``, the synchronous loads of
+  ``sync_load_budget_bytes``) need nothing more; stores run in submission order on one
   background thread when torch's threads leave a CPU free, else on the
   calling thread (``store_thread``, default: that rule), as kvsdk's CPU
   transfer worker does, so both connectors are measured with the same copy
@@ -193,7 +195,16 @@ class TorchCPUOffloadingWorker(OffloadingWorker):
             self._add(job_id, fut)
         return True
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        """Copies before it returns. ``expedited`` (vLLM 0.33: a load the connector
+        waits for within the step, with ``sync_load_budget_bytes``) changes nothing
+        here: no load ever queues behind another."""
         assert isinstance(src_spec, BlockIDsLoadStoreSpec)
         fut: Future[TransferResult] = Future()
         fut.set_result(self._run(job_id, self._plan(dst_spec, src_spec), False))
