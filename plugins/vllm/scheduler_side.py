@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.v1.request import RequestStatus
 
 from kvsdk import plugins_manager
 from kvsdk.backend import SlabRequest
 from kvsdk.config import ConfigError
-from kvsdk.events import EventKind, KVEvent
+from kvsdk.events import RequestTokens
+from kvsdk.plugins.vllm.kv_events import VLLMEventTranslator, spec_kinds
 from kvsdk.plugins.vllm.layout import EngineLayout
 from kvsdk.plugins.vllm.messages import (
     KVSDKConnectorMetadata,
@@ -26,9 +26,8 @@ from kvsdk.plugins.vllm.messages import (
     machine_id,
 )
 from kvsdk.scheduler import OffloadScheduler, WorkerResult
-from kvsdk.scheduler.tail import TAIL_CHUNK
 from kvsdk.store.factory import StoreHandle, describe_tier
-from kvsdk.types import GroupKind, KVGroupSpec, Locality
+from kvsdk.types import GroupKind, KVGroupSpec, ReqKey
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -125,6 +124,15 @@ class SchedulerSide:
         kv_events = getattr(vllm_config, "kv_events_config", None)
         if not (kv_events and kv_events.enable_kv_cache_events) and not _has_event_sinks():
             self.store.events.enabled = False  # nobody would read them: skip the bookkeeping
+        self._events = VLLMEventTranslator(
+            layout.groups,
+            spec_kinds(layout.groups, bool(getattr(vllm_config.model_config, "use_mla", False))),
+            {i: f"kvsdk:{t.backend}" for i, t in enumerate(layout.config.tiers)},
+        )
+        self.store.events.token_source = self._request_tokens
+        self.store.events.last_tier = len(layout.config.tiers) - 1
+        self._finishing: dict[str, Request] = {}
+        """Finished requests until their final stores are built (their tokens name events)."""
         self.core = OffloadScheduler(
             layout.groups,
             layout.namespace,
@@ -268,6 +276,8 @@ class SchedulerSide:
             finished=finished,
             reallocated_block_ids=copies,
         )
+        for rid in so.finished_req_ids or ():
+            self._finishing.pop(rid, None)
         if not so.num_scheduled_tokens and self.store.has_pending_work():
             # nothing to compute but tier I/O (lookups waiting on a promotion,
             # writes draining): sleep on it briefly rather than spin empty steps
@@ -319,6 +329,8 @@ class SchedulerSide:
         rid = request.request_id
         if self.requests.get(rid) is request:
             del self.requests[rid]  # the id may name a new request before the next step
+        if self.store.events.enabled:
+            self._finishing[rid] = request
         tokens = self._finished_tokens[rid] = _computed_at_finish(request)
         self.core.hashes_grew(rid, request.block_hashes)
         # finished in the step that loaded it (a synchronous load, reported done
@@ -331,42 +343,17 @@ class SchedulerSide:
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         events = self.core.take_events()
-        return self._vllm_events(events) if events else ()
+        return self._events.translate(events) if events else ()
 
-    def _vllm_events(self, events: list[KVEvent]) -> Iterator[KVCacheEvent]:
-        for ev in events:
-            medium = ev.medium.value.upper()
-            locality = "REMOTE" if ev.locality is Locality.CLUSTER else "LOCAL"
-            if ev.kind is EventKind.CLEARED:
-                yield AllBlocksCleared()
-                continue
-            origins = list(zip(ev.keys, ev.info or [None] * len(ev.keys), strict=True))
-            # prompt tails are kvsdk's own entries, not vLLM blocks: not announced
-            origins = [(k, o) for k, o in origins if o is None or o.chunk != TAIL_CHUNK]
-            if not origins:
-                continue
-            hashes = [  # vLLM's own block hashes, in its external event form
-                maybe_convert_block_hash(BlockHash(o.block_hash if o else key))
-                for key, o in origins
-            ]
-            groups = {o.group for _, o in origins if o}
-            group = groups.pop() if len(groups) == 1 else None
-            if ev.kind is EventKind.STORED:
-                yield BlockStored(
-                    block_hashes=hashes,
-                    parent_block_hash=None,
-                    token_ids=[],
-                    block_size=self.layout.groups[0].tokens_per_chunk,
-                    lora_id=None,
-                    medium=medium,
-                    lora_name=None,
-                    group_idx=group,
-                    locality=locality,
-                )
-            else:
-                yield BlockRemoved(
-                    block_hashes=hashes, medium=medium, group_idx=group, locality=locality
-                )
+    def _request_tokens(self, key: ReqKey) -> RequestTokens | None:
+        """The token source of kvsdk's events: a request's hashes and token ids
+        (None where its token ids alone do not name its content)."""
+        rid = key if isinstance(key, str) else key[0]
+        req = self.requests.get(rid) or self._finishing.get(rid)
+        if req is None or _tail_tokens(req) is None:
+            return None
+        lora = req.lora_request.lora_name if req.lora_request is not None else None
+        return RequestTokens(req.block_hashes, req.all_token_ids, lora)
 
     def stats(self) -> KVSDKConnectorStats | None:
         self.store.flush_metrics()
