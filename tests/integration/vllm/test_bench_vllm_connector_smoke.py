@@ -1,15 +1,20 @@
 """Smoke run of ``benchmarks/bench_vllm_connector.py`` at tiny sizes: it runs the
-three engine configurations (no connector, kvsdk, native OffloadingConnector
-with the out-of-tree CPU spec) and the TP=2 kvsdk engine end to end, each with
-vLLM's default executor (EngineCore and model workers in their own processes),
-and writes its JSON with every figure, plus the plot. The figures themselves
-are noise at these sizes; only that the warm runs really came from each
-connector, and that the scheduler-side hooks were timed in the EngineCore, is
-checked."""
+four engine configurations (no connector, kvsdk, native OffloadingConnector
+with the out-of-tree CPU spec, LMCache's LMCacheMPConnector against an LMCache
+server the benchmark starts and stops) and the TP=2 kvsdk engine end to end,
+each with vLLM's default executor (EngineCore and model workers in their own
+processes), and writes its JSON with every figure, plus the plot. The figures
+themselves are noise at these sizes; only that the warm runs really came from
+each connector, that every engine gave every prompt the same greedy token,
+that the scheduler-side hooks were timed in the EngineCore, and that
+LMCache's server is gone afterwards, is checked. LMCache comes from
+``scripts/install_lmcache.sh`` (``scripts/setup.sh vllm`` runs it): without
+it the benchmark, and so this test, fails with the install hint."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,14 +36,19 @@ TINY = [
     "--tier-gib", "0.25", "--kv-space-gib", "1", "--threads", "1", "--no-progress",
 ]  # fmt: skip
 
+LMCACHE_DIR = ROOT / ".venv-lmcache"
+
 TTFT_FIELDS = {
     "cold_ms", "local_hit_ms", "kvsdk_warm_ms", "native_warm_ms", "kvsdk_cold_ms",
     "native_cold_ms", "cached_tokens", "cpu_ms", "kvsdk_over_native", "kvsdk_over_local_hit",
-    "native_over_local_hit", "cold_over_kvsdk", "same_token",
+    "native_over_local_hit", "cold_over_kvsdk", "same_token", "lmcache_warm_ms",
+    "lmcache_cold_ms", "kvsdk_over_lmcache", "lmcache_over_local_hit", "lmcache_over_native",
+    "lmcache_same_token",
 }  # fmt: skip
 SCHED_FIELDS = {
     "kvsdk", "native", "kvsdk_us_per_step", "native_us_per_step", "kvsdk_over_native",
     "kvsdk_over_native_cpu", "kvsdk_over_native_core_methods", "per_wave_kvsdk_over_native",
+    "lmcache", "lmcache_us_per_step", "kvsdk_over_lmcache", "kvsdk_over_lmcache_cpu",
 }  # fmt: skip
 PER_CONNECTOR_SCHED = {
     "waves", "steps", "core_total_s", "core_us_per_step", "core_cpu_us_per_step",
@@ -54,13 +64,31 @@ GOALS = {
 }  # fmt: skip
 
 
+def _server_pids(log: Path) -> list[int]:
+    """Live processes whose command line runs LMCache's server and names ``log``'s
+    directory (the benchmark starts it there, as its working directory)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            cwd = os.readlink(proc / "cwd")
+        except OSError:
+            continue
+        if b"lmcache.v1.multiprocess.http_server" in argv and cwd == str(log.parent):
+            pids.append(int(proc.name))
+    return pids
+
+
 def test_bench_vllm_connector_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--model-dir", str(tmp_path / "m")]
+    cmd += ["--lmcache-dir", str(LMCACHE_DIR)]
     # a hang guard, not a measure: the run takes 215-225 s on a quiet 2-core VM
     proc = subprocess.run(cmd + TINY, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "kvsdk/native" in proc.stdout  # the table
+    assert "kvsdk/native" in proc.stdout and "kvsdk/lmcache" in proc.stdout  # the tables
     assert out.with_suffix(".png").stat().st_size > 0
 
     r = json.loads(out.read_text())
@@ -76,10 +104,13 @@ def test_bench_vllm_connector_smoke(tmp_path: Path) -> None:
         full = int(length) // block * block  # a whole-block hit: nothing more to recompute
         assert cached["kvsdk_warm"] >= full > 0, cached
         assert cached["native_warm"] >= full, cached
+        assert cached["lmcache_warm"] >= full, cached  # LMCache's chunks are vLLM's blocks
         assert cached["local_hit"] >= full, cached
-        assert row["same_token"]
+        assert row["same_token"] and row["lmcache_same_token"]
+    # every engine and run gave each prompt the same greedy token
+    assert r["same_tokens"] == {"prompts": 2, "differ": {}, "all_same": True}
     assert set(r["sched"]) >= SCHED_FIELDS
-    for name in ("kvsdk", "native"):
+    for name in ("kvsdk", "native", "lmcache"):
         s = r["sched"][name]
         assert set(s) >= PER_CONNECTOR_SCHED
         assert s["steps"] > 0 and s["core_total_s"] > 0
@@ -93,7 +124,16 @@ def test_bench_vllm_connector_smoke(tmp_path: Path) -> None:
     assert set(r["goals"]) == GOALS
     assert all(isinstance(g["met"], bool) for g in r["goals"].values())
     threads = r["settings"]["torch_threads"]  # per model worker, through the probe
-    assert threads["kvsdk"] == threads["native"] == [1] and threads["kvsdk-tp2"] == [1, 1]
+    assert threads["kvsdk"] == threads["native"] == threads["lmcache"] == [1]
+    assert threads["kvsdk-tp2"] == [1, 1]
+    ktc = r["settings"]["kv_transfer_config"]["lmcache"]
+    assert ktc["kv_connector"] == "LMCacheMPConnector"
+    assert r["raw"]["lmcache"]["connector"] == "LMCacheMPConnector"  # the EngineCore's instance
+    lm = r["settings"]["lmcache"]
+    assert lm["chunk_size"] == block and lm["transfer_mode"] == "engine_driven"
+    log = Path(lm["log"])
+    assert "Retrieved" in log.read_text()  # the server served the warm runs' KV
+    assert _server_pids(log) == []  # and the benchmark stopped it
     t2 = r["tp2"]
     assert t2["tensor_parallel_size"] == 2 and t2["prompt_len"] == 200
     assert all(t2[k] > 0 for k in ("cold_ms", "local_hit_ms", "kvsdk_warm_ms"))
