@@ -72,7 +72,7 @@ def _start_engines(
     engines, infos = [], []
     for i, core in enumerate(_cores(s.pin)):
         port = free_port()
-        info = EngineInfo(i, f"http://127.0.0.1:{port}", free_port())
+        info = EngineInfo(i, f"http://127.0.0.1:{port}", free_port(), model)
         exporter = free_port() if config.tier is not None else None
         kv = config.kv_transfer(shared, s.host_bytes, exporter or 0)
         argv = engine_argv(model, port, kv, s.max_model_len, config.policy.engine_args(info))

@@ -6,15 +6,17 @@ tables of their own: a new shared tier is one :class:`TierSpec` (how to
 start what it needs once, how to empty it before a run, the kvsdk tier entry
 the engines get), a new policy one :class:`PolicySpec` (the router's
 ``--policy``, the router arguments it needs from the engines and the engines'
-own extra arguments: a ``kv_aware`` policy would give each engine
+own extra arguments: the ``kv_aware`` policy gives each engine
 ``--kv-events-config`` publishing on ``tcp://*:{events_port}`` and the
-router ``--kv-event-source URL=tcp://127.0.0.1:{events_port}`` per engine).
+router ``--kv-event-source URL=tcp://127.0.0.1:{events_port}`` per engine,
+so the router indexes vLLM's own blocks and, with kvsdk, kvsdk's tiers).
 Any ``TIER-POLICY`` name of the two tables is a configuration (``none`` for
 no connector); :data:`DEFAULT_CONFIGS` are the issue's five.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -124,6 +126,33 @@ class EngineInfo:
     index: int
     url: str
     events_port: int
+    model: str = ""
+    """The model the engine serves (as requests name it)."""
+
+
+VLLM_CPU_BLOCK_SIZE = 128
+"""vLLM-CPU's block size for the bench's Llama: the token blocks a KV-aware router hashes."""
+
+
+def kv_events_args(info: EngineInfo) -> list[str]:
+    """vLLM's KV events (its own blocks', and kvsdk's tiers') on the engine's port."""
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{info.events_port}",
+    }
+    return ["--kv-events-config", json.dumps(config)]
+
+
+def kv_event_sources(engines: list[EngineInfo]) -> list[str]:
+    """The ``kv_aware`` router's subscriptions: every engine's events, vLLM-CPU's block size."""
+    args = []
+    for e in engines:
+        args += ["--kv-event-source", f"{e.url}=tcp://127.0.0.1:{e.events_port}"]
+    args += ["--kv-event-block-size", str(VLLM_CPU_BLOCK_SIZE)]
+    if engines and engines[0].model:
+        args += ["--kv-event-model", engines[0].model]
+    return args
 
 
 def _none(_: Any) -> list[str]:
@@ -143,6 +172,7 @@ class PolicySpec:
 POLICIES: dict[str, PolicySpec] = {
     "rr": PolicySpec("round_robin"),
     "cache_aware": PolicySpec("cache_aware"),
+    "kv_aware": PolicySpec("kv_aware", kv_event_sources, kv_events_args),
 }
 """Router policies, by the short name configurations use."""
 
