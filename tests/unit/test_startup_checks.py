@@ -10,19 +10,37 @@ import pytest
 
 from kvsdk.cli import main
 from kvsdk.config import ConfigError, load_config
-from kvsdk.plugins.vllm import load_vllm_config, vllm_version_problem
+from kvsdk.plugins.vllm import SUPPORTED_VLLM, load_vllm_config, vllm_version_problem
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu", "0.32.1rc1"])
+@pytest.mark.parametrize(
+    "version", ["0.32.0", "0.32.1", "0.32.0+cpu", "0.32.1rc1", "0.33.0", "0.33.2", "0.33.0+cu130"]
+)
 def test_supported_vllm_versions(version: str) -> None:
     assert vllm_version_problem(version) is None
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "dev"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "0.34.0rc1", "1.0.0", "dev"])
 def test_unsupported_vllm_version_is_one_sentence_naming_it(version: str) -> None:
     problem = vllm_version_problem(version)
     assert problem is not None
-    assert f"this is vLLM {version}" in problem and "kvsdk supports vLLM >=0.32.0,<0.33" in problem
+    assert f"this is vLLM {version}" in problem and "kvsdk supports vLLM >=0.32.0,<0.34" in problem
+    assert problem.count(". ") == 0 and "\n" not in problem
+
+
+def test_the_vllm_range_is_stated_once_everywhere() -> None:
+    """The start-up check, the ``[vllm]`` extra and the install scripts name one range."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    spec = ",".join(SUPPORTED_VLLM)
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    assert extras["optional-dependencies"]["vllm"] == [f"vllm{spec}"]
+    for script, pin in (("install_vllm.sh", "0.32.0"), ("install_vllm033.sh", "0.33.0")):
+        text = (root / "scripts" / script).read_text()
+        assert f'VLLM_VERSION="{pin}"' in text, script
+        assert vllm_version_problem(pin) is None
+        assert f"SUPPORTED_VLLM {spec}" in text, script
 
 
 def test_vllm_refuses_a_host_tier_without_a_unit() -> None:
