@@ -48,7 +48,8 @@ TTFT_FIELDS = {
 SCHED_FIELDS = {
     "kvsdk", "native", "kvsdk_us_per_step", "native_us_per_step", "kvsdk_over_native",
     "kvsdk_over_native_cpu", "kvsdk_over_native_core_methods", "per_wave_kvsdk_over_native",
-    "lmcache", "lmcache_us_per_step", "kvsdk_over_lmcache", "kvsdk_over_lmcache_cpu",
+    "lmcache", "lmcache_us_per_step", "lmcache_total_ms", "kvsdk_total_ms", "kvsdk_over_lmcache",
+    "kvsdk_over_lmcache_per_step",
 }  # fmt: skip
 PER_CONNECTOR_SCHED = {
     "waves", "steps", "core_total_s", "core_us_per_step", "core_cpu_us_per_step",
