@@ -14,7 +14,7 @@ import pytest
 from kvsdk import plugins_manager
 from kvsdk.backend import TierContext
 from kvsdk.backends.cpu import CPUBackend, CPUOptions
-from kvsdk.events import EventKind, EventTracker, KVEvent
+from kvsdk.events import EventKind, EventOrigin, EventTracker, KVEvent
 from kvsdk.hooks import hookimpl
 from kvsdk.metrics import SECONDS_BUCKETS, Metrics, start_prometheus_exporter
 from kvsdk.store.factory import plugin_event_sink
@@ -187,6 +187,32 @@ def test_annotations_travel_with_their_keys() -> None:
     record(t, EventKind.STORED, [k(1), k(2)])
     (event,) = t.take_events()
     assert event.info == ({"block_hash": "aa"}, None)
+
+
+def test_token_ids_are_kept_until_the_deepest_tier_stored_the_chunk() -> None:
+    t = EventTracker()
+    t.last_tier = 1
+    origin = EventOrigin(0, 0, b"h1", (b"h0", b"h1"), None, [7, 8, 9, 10])
+    t.annotate(k(1), origin)
+    record(t, EventKind.STORED, [k(1)], tier=0)
+    record(t, EventKind.STORED, [k(1)], tier=1)
+    host, deepest = t.take_events()
+    assert host.info == deepest.info == (origin,)  # each store event carries the tokens
+    record(t, EventKind.REMOVED, [k(1)], tier=0)
+    (removed,) = t.take_events()
+    assert removed.info == (origin._replace(token_ids=None),)  # the hashes stay
+
+
+def test_a_key_annotated_again_keeps_its_new_token_ids() -> None:
+    t = EventTracker()
+    first = EventOrigin(0, 0, b"h", (b"h",), None, [1])
+    t.annotate(k(1), first)
+    info = (first,)
+    again = first._replace(token_ids=[2])
+    t.annotate(k(1), again)  # another request derived the key meanwhile
+    t._drop_tokens([k(1)], info)
+    record(t, EventKind.REMOVED, [k(1)])
+    assert t.take_events()[0].info == (again,)
 
 
 def test_reset_drops_undrained_events() -> None:
