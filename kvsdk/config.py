@@ -161,6 +161,18 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True)
+class StoreBackoffConfig:
+    after_failures: int = 3
+    """Write batches a slower tier refuses in a row (it raised, or took none of
+    the chunks: a full disk, a Redis out of memory or read-only) before kvsdk
+    stops offering it stores for a while; reads go on. ``0``: never pause."""
+    initial_s: float = 1.0
+    """The first pause, in seconds; each refused probe after a pause doubles it."""
+    max_s: float = 60.0
+    """The longest pause, in seconds. A write the tier takes ends the back-off."""
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     prometheus_port: int | None = None
     """Serve Prometheus metrics on this port (needs ``prometheus-client``)."""
@@ -232,6 +244,8 @@ class KVSDKConfig:
     not wait at all. Tiers with a local index (Redis) answer a chunk they
     surely lack without asking their server. ``0``: never wait: every lookup
     that misses host RAM defers its request a step."""
+    store_backoff: StoreBackoffConfig = field(default_factory=StoreBackoffConfig)
+    """Back-pressure from the slower tiers: pause stores to a tier that keeps refusing them."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """Counters and histograms; an optional Prometheus endpoint."""
     events: EventsConfig = field(default_factory=EventsConfig)
@@ -489,6 +503,20 @@ def _check(
         raise ConfigError(f"events.max_pending: got {cfg.events.max_pending}; expected at least 1")
     if cfg.io_threads < 1:
         raise ConfigError(f"io_threads: got {cfg.io_threads}; expected at least 1")
+    backoff = cfg.store_backoff
+    if backoff.after_failures < 0:
+        raise ConfigError(
+            f"store_backoff.after_failures: got {backoff.after_failures}; expected 0 or more"
+        )
+    if not 0 < backoff.initial_s <= 3600:
+        raise ConfigError(
+            f"store_backoff.initial_s: got {backoff.initial_s}; expected seconds in (0, 3600]"
+        )
+    if not backoff.initial_s <= backoff.max_s <= 86400:
+        raise ConfigError(
+            f"store_backoff.max_s: got {backoff.max_s}; expected seconds from "
+            f"store_backoff.initial_s ({backoff.initial_s}) to 86400"
+        )
     if not 0 <= cfg.lookup_wait_ms <= 1000:
         raise ConfigError(
             f"lookup_wait_ms: got {cfg.lookup_wait_ms}; expected milliseconds from 0 to 1000"

@@ -40,11 +40,16 @@ COUNTERS = {
     "kvsdk_corrupt_chunks_total": "Chunks that failed integrity checks, by tier",
     "kvsdk_failed_jobs_total": "Transfer jobs that failed, by direction",
     "kvsdk_dropped_writes_total": "Write-throughs dropped because the queue was full, by tier",
+    "kvsdk_store_backoffs_total": "Pauses of a slower tier's stores after it refused writes, "
+    "by tier",
+    "kvsdk_store_backoff_skipped_total": "Chunks not offered to a slower tier while its stores "
+    "were paused, by tier",
 }
 GAUGES = {
     "kvsdk_backend_stat": "A slower tier's own numbers as its stats() reports them "
     "(failed, skipped and paused operations, breakers open, entries, bytes), "
     "by tier, backend and stat",
+    "kvsdk_store_paused": "1 while a slower tier's stores are paused (it refused writes), by tier",
 }
 HISTOGRAMS = {
     "kvsdk_transfer_seconds": ("Time of one transfer job, by direction", SECONDS_BUCKETS),

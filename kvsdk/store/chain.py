@@ -20,7 +20,8 @@ up after F failures / S s`` once (:class:`TierHealth`):
 - ``read_into(t, keys, outs)``     tier ``t``'s payloads into caller buffers
   (``read_into_parts``: each payload into a list of buffers); a read with
   misses moves the tier's new integrity failures into ``kvsdk_corrupt_chunks_total``
-- ``write(keys, payloads)``        write-through; the keys each tier took
+- ``write(keys, payloads)``        write-through; the keys each tier took (a tier
+  that keeps refusing writes is skipped for a while: :mod:`kvsdk.store.backoff`)
 
 Batches reach a tier tail first: ``read_into`` and ``write`` take keys in
 chain order (a prompt's first chunk first) and hand them to the tier
@@ -52,8 +53,10 @@ from typing import Any, TypeVar
 
 from kvsdk.backend import Backend
 from kvsdk.burst_log import BurstLog
+from kvsdk.config import StoreBackoffConfig
 from kvsdk.events import EventKind, EventTracker
 from kvsdk.metrics import Metrics
+from kvsdk.store.backoff import StoreBackoff
 from kvsdk.store.health import TierHealth
 from kvsdk.trust import redact
 from kvsdk.types import ChunkKey
@@ -114,10 +117,12 @@ class TierChain:
         item_bytes: int,
         track_keys: int = 0,
         copy_up: bool = False,
+        store_backoff: StoreBackoffConfig | None = None,
     ) -> None:
         """``item_bytes``: bytes of one chunk (for byte counters);
         ``track_keys``: keys remembered per tier (0: none); ``copy_up``: run
-        a background thread for :meth:`copy_up`."""
+        a background thread for :meth:`copy_up`; ``store_backoff``: when to
+        pause a tier's stores (defaults: ``StoreBackoffConfig()``)."""
         self.tiers = tuple(tiers)
         self.metrics = metrics
         self.events = events
@@ -129,6 +134,11 @@ class TierChain:
         self._corrupt_seen = [self._corrupt_count(t) for t in self.numbers]
         self._errors_seen = [0] * len(self.tiers)
         self._health = TierHealth(log)
+        self.backoff = StoreBackoff(
+            {t: self._name(t) for t in self.numbers}, store_backoff or StoreBackoffConfig(), metrics
+        )
+        if self.tiers:
+            metrics.add_gauge_source(self.backoff.gauges)
         for t in self.numbers:  # e.g. a directory the tier could not create at start
             if n := self._count_errors(t):
                 # down until a write succeeds (what such a failure stops)
@@ -219,12 +229,28 @@ class TierChain:
         items = list(zip(keys, payloads))[::-1]  # tail first (the module's docstring)
         in_parts = bool(payloads) and isinstance(payloads[0], (list, tuple))
         stored: dict[int, list[ChunkKey]] = {}
+        backoff = self.backoff
         for t in self.numbers if tiers is None else tiers:
+            if not backoff.accepts(t):
+                backoff.skipped(t, len(items))
+                stored[t] = []
+                continue
             tier = self.tier(t)
             put: Callable[[list[Any]], list[bool]] = tier.put_parts if in_parts else tier.put
             ok = self._call(t, "put", put, items)
             stored[t] = [] if ok is None else [k for k, good in zip(keys, reversed(ok)) if good]
+            if items:
+                backoff.written(t, bool(stored[t]))
         return stored
+
+    def accepts_stores(self) -> bool:
+        """Whether some tier is offered stores now (none: a write-through is skipped)."""
+        return any(self.backoff.accepts(t) for t in self.numbers)
+
+    def skip_stores(self, n: int) -> None:
+        """``n`` chunks were not written through: every tier's stores are paused."""
+        for t in self.numbers:
+            self.backoff.skipped(t, n)
 
     def delete(self, t: int, keys: Sequence[ChunkKey]) -> int:
         """Drop ``keys`` from tier ``t``; how many it held."""
@@ -240,6 +266,7 @@ class TierChain:
 
     def close(self) -> None:
         """Finish background copies, then close every tier (errors logged)."""
+        self.metrics.remove_gauge_source(self.backoff.gauges)
         if self._copier is not None:
             self._copier.shutdown(wait=True)
             self._copier = None

@@ -121,6 +121,7 @@ def build_store(
         tail_share=config.prompt_tail_share,
         io_threads=config.io_threads,
         lookup_wait_s=config.lookup_wait_ms / 1000,
+        store_backoff=config.store_backoff,
     )
 
 
@@ -218,6 +219,7 @@ class StoreHandle:
             item_bytes=item_bytes,
             track_keys=track_keys,
             copy_up=True,
+            store_backoff=(config or self.config).store_backoff,
         )
         return self.chain
 

@@ -51,6 +51,7 @@ from typing import Any
 
 from kvsdk.admission import SecondSight
 from kvsdk.backend import Backend, HostTier
+from kvsdk.config import StoreBackoffConfig
 from kvsdk.events import EventKind, EventTracker
 from kvsdk.metrics import Metrics
 from kvsdk.store.chain import TierChain
@@ -146,7 +147,10 @@ class TieredStore:
         tenant_quotas: Mapping[str, float] | Sequence[tuple[str, float]] | None = None,
         tail_share: float = 1.0,
         lookup_wait_s: float = 0.005,
+        store_backoff: StoreBackoffConfig | None = None,
     ) -> None:
+        """``store_backoff``: when to stop offering stores to a slower tier that
+        refuses them (:mod:`kvsdk.store.backoff`)."""
         self.host = host
         self.lower = tuple(lower)
         self.tiers: tuple[Backend, ...] = (host, *self.lower)
@@ -174,7 +178,11 @@ class TieredStore:
         """One slot's bytes, read once: a torch call costs the scheduler's hot path
         hundreds of microseconds between engine steps (measured in vLLM's EngineCore)."""
         self.chain = TierChain(
-            self.lower, metrics=self.metrics, events=self.events, item_bytes=self._slot_bytes
+            self.lower,
+            metrics=self.metrics,
+            events=self.events,
+            item_bytes=self._slot_bytes,
+            store_backoff=store_backoff,
         )
         self._store_tenant: dict[ChunkKey, str] = {}
         self._lower_owned: dict[tuple[int, str], OrderedDict[ChunkKey, None]] = {}
@@ -530,6 +538,9 @@ class TieredStore:
 
     def _write_through(self, keys: list[ChunkKey], tenant: str = "") -> None:
         if not keys:
+            return
+        if not self.chain.accepts_stores():  # every slower tier refuses writes for now
+            self.chain.skip_stores(len(keys))
             return
         writes = sum(1 for io in self._io if io.kind is IOKind.WRITE)
         if writes >= self.MAX_WRITES_IN_FLIGHT:

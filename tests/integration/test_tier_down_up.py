@@ -163,6 +163,7 @@ def test_disk_that_refuses_writes_is_down_until_a_write_lands(
 
         root.unlink()
         shutil.move(moved, root)
+        time.sleep(1.05)  # 3 refused writes paused its stores (store_backoff.initial_s: 1 s)
         save(store, key(10))
         save(store, key(11))
     up = lines(caplog, "back up")
