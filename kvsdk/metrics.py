@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 Labels = tuple[tuple[str, str], ...]
 GaugeSource = Callable[[], Iterable[tuple[str, dict[str, Any], float]]]
@@ -50,12 +51,31 @@ GAUGES = {
     "(failed, skipped and paused operations, breakers open, entries, bytes), "
     "by tier, backend and stat",
     "kvsdk_store_paused": "1 while a slower tier's stores are paused (it refused writes), by tier",
+    "kvsdk_tier_info": "1 per tier, its configuration as labels (tier, backend, medium, "
+    "locality, capacity_bytes, chunk_bytes)",
 }
+GAUGE_MULTIPROCESS_MODES: dict[str, Literal["liveall", "livemax"]] = {
+    "kvsdk_backend_stat": "liveall",
+    "kvsdk_store_paused": "livemax",
+    "kvsdk_tier_info": "livemax",
+}
+"""How each gauge combines across the processes that write it in Prometheus'
+multiprocess mode (:class:`MultiprocessGauges`). Only the processes that own
+a store write (vLLM's EngineCore, one per data-parallel rank), never the API
+servers that read the directory, so ``--api-server-count N`` counts each value
+once. ``liveall``: a tier's own numbers, one series per process (``pid``
+label), since summing two engines' views of one shared tier would count its
+entries twice; ``livemax``: 1 while any live engine has the tier paused / is
+configured so. ``live``: a process that ended (``mark_process_dead``) drops out."""
 HISTOGRAMS = {
     "kvsdk_transfer_seconds": ("Time of one transfer job, by direction", SECONDS_BUCKETS),
     "kvsdk_transfer_bytes": ("Bytes of one transfer job, by direction", BYTES_BUCKETS),
     "kvsdk_lookup_delay_seconds": ("Planner time (sync) or deferral time (async)", SECONDS_BUCKETS),
     "kvsdk_backend_seconds": ("Time of one batched backend call, by tier and op", SECONDS_BUCKETS),
+    "kvsdk_promotion_seconds": (
+        "Time from a lookup asking the slower tiers to the chunk readable in host RAM, by tier",
+        SECONDS_BUCKETS,
+    ),
 }
 
 
@@ -285,3 +305,90 @@ def start_prometheus_exporter(metrics: Metrics, port: int, addr: str = "127.0.0.
     registry = CollectorRegistry()
     registry.register(_Collector())
     return start_http_server(port, addr=addr, registry=registry)
+
+
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+"""Prometheus' multiprocess directory (vLLM sets it for ``--api-server-count`` > 1)."""
+
+
+class MultiprocessGauges:
+    """Publishes ``metrics``' gauges into Prometheus' multiprocess directory
+    (``PROMETHEUS_MULTIPROC_DIR``), where every process serving ``/metrics``
+    from it (vLLM's API servers) reads them, each gauge combined across the
+    writing processes as :data:`GAUGE_MULTIPROCESS_MODES` says.
+
+    Gauges are read from their sources (``Metrics.add_gauge_source``) every
+    ``interval_s`` on a daemon thread (``start``), or by ``publish()``;
+    ``stop()`` ends the thread and marks this process's live gauges dead.
+    The variable must be set before ``prometheus_client`` is first imported
+    in the process (it picks its value store then), as vLLM does."""
+
+    def __init__(self, metrics: Metrics, interval_s: float = 1.0) -> None:
+        from prometheus_client import values
+
+        if values.ValueClass is values.MutexValue:
+            raise RuntimeError(
+                f"{MULTIPROC_DIR_ENV} was not set when prometheus_client was imported"
+            )
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self._gauges: dict[str, Any] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def publish(self) -> None:
+        """Write every gauge's current value once."""
+        from prometheus_client import Gauge
+
+        for name, labels, value in self.metrics.iter_gauges():
+            names = [k for k, _ in labels]
+            gauge = self._gauges.get(name)
+            if gauge is None:
+                gauge = self._gauges[name] = Gauge(
+                    name,
+                    GAUGES[name],
+                    labelnames=names,
+                    multiprocess_mode=GAUGE_MULTIPROCESS_MODES[name],
+                    registry=None,  # read from the directory, not this process's registry
+                )
+            if list(gauge._labelnames) != names:
+                continue  # (a source's labels are fixed per gauge)
+            gauge.labels(*[v for _, v in labels]).set(value)
+
+    def start(self) -> MultiprocessGauges:
+        self.publish()
+        self._thread = threading.Thread(
+            target=self._run, name="kvsdk-multiproc-gauges", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.publish()
+            except Exception as exc:  # never take the engine down for a metric
+                log.warning("kvsdk metrics: publishing gauges failed: %s", exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        from prometheus_client import multiprocess
+
+        path = os.environ.get(MULTIPROC_DIR_ENV)
+        if path:
+            multiprocess.mark_process_dead(os.getpid(), path)  # type: ignore[no-untyped-call]
+
+
+def multiprocess_gauges(metrics: Metrics) -> MultiprocessGauges | None:
+    """Started :class:`MultiprocessGauges` for ``metrics`` when
+    ``PROMETHEUS_MULTIPROC_DIR`` is set and ``prometheus_client`` is installed
+    (a failure to start is logged, never raised); else None."""
+    if not os.environ.get(MULTIPROC_DIR_ENV):
+        return None
+    try:
+        return MultiprocessGauges(metrics).start()
+    except Exception as exc:
+        log.warning("kvsdk metrics: gauges not published to %s: %s", MULTIPROC_DIR_ENV, exc)
+        return None

@@ -53,7 +53,7 @@ from kvsdk.admission import SecondSight
 from kvsdk.backend import Backend, HostTier
 from kvsdk.config import StoreBackoffConfig
 from kvsdk.events import EventKind, EventTracker
-from kvsdk.metrics import Metrics
+from kvsdk.metrics import Metrics, multiprocess_gauges
 from kvsdk.store.chain import TierChain
 from kvsdk.types import ChunkKey, LookupResult
 
@@ -199,8 +199,39 @@ class TieredStore:
         )
         self._indexed = self.chain.all_indexed
         """Every slower tier answers ``may_contain`` from memory."""
+        self._info: list[dict[str, Any]] | None = None
+        self.metrics.add_gauge_source(self.tier_info)
         if self.lower:
             self.metrics.add_gauge_source(self.tier_stats)
+        self._published = multiprocess_gauges(self.metrics)
+        """With ``PROMETHEUS_MULTIPROC_DIR`` set (vLLM's ``--api-server-count`` > 1),
+        the gauges also go to that directory, for the API servers' ``/metrics``."""
+
+    def tier_info(self) -> Iterator[tuple[str, dict[str, Any], float]]:
+        """``kvsdk_tier_info`` of each tier, 1 with its configuration as labels:
+        number, backend, medium, locality, capacity in bytes (empty when the
+        tier has no byte budget, e.g. Redis) and chunk bytes. Never a path, a
+        URL or a credential. Read once, at the first scrape."""
+        if self._info is None:
+            info = []
+            for t, tier in enumerate(self.tiers):
+                try:
+                    cap = tier.capacity_bytes()
+                except Exception:
+                    cap = None
+                info.append(
+                    {
+                        "tier": t,
+                        "backend": str(getattr(tier, "name", "") or type(tier).__name__),
+                        "medium": tier.medium.value,
+                        "locality": tier.locality.value,
+                        "capacity_bytes": "" if cap is None else int(cap),
+                        "chunk_bytes": self._slot_bytes,
+                    }
+                )
+            self._info = info
+        for labels in self._info:
+            yield "kvsdk_tier_info", labels, 1.0
 
     def tier_stats(self) -> Iterator[tuple[str, dict[str, Any], float]]:
         """Each slower tier's ``stats()`` as ``kvsdk_backend_stat`` gauges (read at
@@ -616,8 +647,9 @@ class TieredStore:
             if evicted:
                 self.metrics.inc("kvsdk_evictions_total", len(evicted), tier=0)
                 self._record(EventKind.REMOVED, evicted, 0)
-            for key in tkeys:
-                self._remote[key] = _Remote(RemoteState.PROMOTING, now, t)
+            for key in tkeys:  # ``since``: when a lookup first asked (the promotion's start)
+                asked = self._remote.get(key)
+                self._remote[key] = _Remote(RemoteState.PROMOTING, asked.since if asked else now, t)
             self._submit(IOKind.PROMOTE, tkeys, self._promote, t, tkeys, slots, tier=t)
 
     def _apply_promote(self, io: _IO, ok: list[bool] | None) -> None:
@@ -628,8 +660,13 @@ class TieredStore:
         self.host.commit(bad, False)
         t = int(io.extra["tier"])  # type: ignore[call-overload]
         now = time.monotonic()
+        waited = []
         for key in good:
-            self._remote.pop(key, None)
+            remote = self._remote.pop(key, None)
+            if remote is not None:
+                waited.append(now - remote.since)
+        if waited:  # from the lookup that asked the slower tiers to the chunk readable here
+            self.metrics.histogram("kvsdk_promotion_seconds", tier=t).observe_many(waited)
         for key in bad:
             self._remote[key] = _Remote(RemoteState.ABSENT, now)
         if good:
@@ -684,6 +721,9 @@ class TieredStore:
         """Finish the I/O in flight, then close every tier. (The lifecycle hooks
         belong to the store's owner, :class:`kvsdk.store.factory.StoreHandle`.)"""
         self.metrics.remove_gauge_source(self.tier_stats)
+        self.metrics.remove_gauge_source(self.tier_info)
+        if self._published is not None:
+            self._published.stop()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._reap()
