@@ -21,6 +21,7 @@ VLLM033_TESTS=(
     tests/integration/vllm/test_vllm_sleep_mode.py
     tests/integration/vllm/test_config_check_model.py
     tests/integration/vllm/test_native_offload_worker.py
+    tests/integration/vllm/test_vllm_capped_hits.py
     tests/integration/vllm/test_profile_scheduler_hooks_smoke.py
     tests/unit/test_vllm_kv_events.py
 )
