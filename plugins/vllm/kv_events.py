@@ -21,6 +21,10 @@ engine-neutral events (:mod:`kvsdk.events`) into the ``BlockStored`` /
   stay unannounced; so is a chunk whose annotation the bounded annotation
   table dropped (kvsdk no longer knows vLLM's hashes for it).
 
+A chunk computed with a LoRA adapter carries its ``lora_name`` (routers mix
+it into their token hashes); vLLM's deprecated ``lora_id`` and its
+``extra_keys`` (cache salt, multimodal identifiers) are not filled.
+
 A chunk whose token ids are unknown (a request whose tokens alone do not name
 its content, e.g. images) is announced with its hashes and no token ids, as
 vLLM's native offloading connector does for what it cannot describe.
