@@ -98,8 +98,10 @@ hit; scheduler time per step <= 0.5x native; no-reuse throughput >= 0.97x.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -126,7 +128,10 @@ from kvsdk.plugins.vllm.workloads.lmcache_peer import (
 
 
 class Child:
-    """A child process serving one engine configuration."""
+    """A child process serving one engine configuration. It leads a process
+    group of its own, which its engine's processes (EngineCore, workers) join:
+    :meth:`close` stops whatever of the group is left, also when the run is
+    interrupted while the engine is still starting."""
 
     def __init__(
         self,
@@ -157,9 +162,13 @@ class Child:
         self.log = open(self.log_path, "w")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
             cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-            text=True, bufsize=1,
+            text=True, bufsize=1, start_new_session=True,
         )  # fmt: skip
-        self.info = self._expect("ready")
+        try:
+            self.info = self._expect("ready")
+        except BaseException:  # a failed start, Ctrl-C, SIGTERM: no engine left behind
+            self.close(timeout=0)
+            raise
 
     def _expect(self, tag: str) -> Any:
         assert self.proc.stdout is not None
@@ -186,13 +195,15 @@ class Child:
             except OSError:
                 pass
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60) -> None:
+        """Ask the engine to exit, wait ``timeout`` s, then SIGKILL what is
+        left of its process group."""
         self.request_exit()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=timeout)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
         self.log.close()
 
 
