@@ -208,7 +208,9 @@ class KVSDKConfig:
     serves every prompt that extends it: tails never crowd the chunks out of
     the tier."""
     eviction: str = "lru"
-    """Eviction policy of the tiers that evict locally: ``lru``, ``arc`` or a plugin's."""
+    """Eviction policy of the tiers that evict locally: ``lru``, ``arc`` or a plugin's.
+    Of chunks stored or used together, a prompt's later chunks leave before its
+    first ones (every prompt with the prefix needs its head, only some its tail)."""
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     """When a chunk is worth storing."""
     transfer: str = "auto"
