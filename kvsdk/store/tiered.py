@@ -197,6 +197,8 @@ class TieredStore:
             if self.lower
             else None
         )
+        self._shut_down = False
+        """The I/O pool is shut down: nothing more is submitted to it."""
         self._indexed = self.chain.all_indexed
         """Every slower tier answers ``may_contain`` from memory."""
         self._info: list[dict[str, Any]] | None = None
@@ -553,6 +555,8 @@ class TieredStore:
         self, kind: IOKind, keys: list[ChunkKey], fn: Callable[..., Any], *args: Any, **extra: Any
     ) -> None:
         assert self._pool is not None
+        if self._shut_down:  # a result reaped at shutdown starts no more I/O
+            return
         fut: Future[Any] = self._pool.submit(fn, *args)
         self._io.append(_IO(kind, keys, fut, self._generation, dict(extra)))
 
@@ -726,6 +730,7 @@ class TieredStore:
             self._published.stop()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+            self._shut_down = True
             self._reap()
         try:
             self.host.close()

@@ -298,6 +298,21 @@ def test_chunk_in_a_slower_tier_is_promoted_into_host_ram(stores: list[TieredSto
     assert store.metrics.counter("kvsdk_lookup_deferred_total") == 1
 
 
+def test_a_lookup_answered_during_shutdown_starts_no_promotion() -> None:
+    """The I/O pool drains at shutdown; a lookup it answers then (the chunk
+    found) is reaped but promotes nothing (it raised "cannot schedule new
+    futures after shutdown" out of the engine's shutdown)."""
+    lower = DictBackend()
+    lower.data[k(5)] = payload(5)
+    store = TieredStore(make_host(4), [lower], io_threads=2)
+    lower.gates["exists"].clear()
+    assert store.lookup(k(5)) is LookupResult.RETRY
+    wait_for(lower.entered["exists"], store)  # the query is in flight
+    threading.Timer(0.2, lower.gates["exists"].set).start()
+    store.shutdown()  # waits for the query, then reaps it
+    assert lower.entered["get"].is_set() is False
+
+
 def test_lookup_says_hit_pending_while_a_chunk_is_promoted(stores: list[TieredStore]) -> None:
     lower = DictBackend()
     lower.data[k(5)] = payload(5)
