@@ -167,6 +167,9 @@ def _engine_block_size(vllm_config: Any) -> None:
     (``get_attn_backend``) gives a full-attention layer of this model, which
     is what every layer of the models computed here would report. A block
     size the user gave (``--block-size``) is kept, as the engine keeps it."""
+    # importing a backend makes torch say once that Triton is missing (no GPU):
+    # true and harmless here, and not what the user asked the check about
+    logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
     from vllm.config import set_current_vllm_config
     from vllm.platforms import current_platform
     from vllm.v1.attention.selector import get_attn_backend
