@@ -302,7 +302,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
     root = tmp_path_factory.mktemp("kv-aware")
     model = make_tiny_llama(root / "model", seed=0, tokenizer=True)
-    with Procs() as procs:
+    # VLLM_CPU_KVCACHE_SPACE (set by other test modules when the suite is
+    # collected) overrides --kv-cache-memory-bytes on vLLM-CPU: a 1 GiB cache
+    # would never drop the prompts this test needs gone from it
+    with pytest.MonkeyPatch.context() as env, Procs() as procs:
+        env.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
         redis, port = start_redis(root, "1gb", "allkeys-lru")
         procs.add(redis)
         fleet = Fleet(procs, model, root, port)
