@@ -19,7 +19,6 @@ import sys
 import uuid
 from pathlib import Path
 
-import pytest
 from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -29,32 +28,14 @@ sys.path.insert(0, str(HERE))
 from test_vllm_scheduler_holds_blocks import (  # noqa: E402
     BLOCK,
     CHUNK,
-    HEAD,
-    KV_HEADS,
-    LAYERS,
     Engine,
+    model_dir,
 )
 
-from kvsdk.plugins.vllm.workloads.model_free_scheduler import write_llama_config  # noqa: E402
+__all__ = ["model_dir"]  # the fixture, shared with test_vllm_scheduler_holds_blocks
 
 CAPS_HITS = hasattr(AuxOutputSchedulerConnector, "cap_external_hit")  # vLLM 0.33
 PROMPT = CHUNK + 5  # a whole chunk and a 5-token tail
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("model") / "tiny-llama-config"
-    return write_llama_config(
-        str(path),
-        hidden_size=KV_HEADS * HEAD * 2,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD,
-        vocab_size=1000,
-        max_position_embeddings=1024,
-    )
 
 
 def aux_connector(scheduler: Scheduler) -> AuxOutputSchedulerConnector:

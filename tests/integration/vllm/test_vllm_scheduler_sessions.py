@@ -16,7 +16,6 @@ import sys
 import uuid
 from pathlib import Path
 
-import pytest
 from vllm import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
@@ -28,34 +27,17 @@ sys.path.insert(0, str(HERE))
 from test_vllm_scheduler_holds_blocks import (  # noqa: E402
     BLOCK,
     CHUNK,
-    HEAD,
-    KV_HEADS,
-    LAYERS,
     TOKEN,
     Engine,
+    model_dir,
 )
 
+__all__ = ["model_dir"]  # the fixture, shared with test_vllm_scheduler_holds_blocks
+
 from kvsdk.keys import chunk_key  # noqa: E402
-from kvsdk.plugins.vllm.workloads.model_free_scheduler import write_llama_config  # noqa: E402
 
 TURN1 = [100 + i for i in range(CHUNK - 1)]  # the sampled token completes block 1
 TURN2 = [300 + i for i in range(4 * CHUNK)]  # stored when computed (kvsdk batches it as decode)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("model") / "tiny-llama-config"
-    return write_llama_config(
-        str(path),
-        hidden_size=KV_HEADS * HEAD * 2,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD,
-        vocab_size=1000,
-        max_position_embeddings=1024,
-    )
 
 
 def session_input(tokens: list[int], max_tokens: int) -> Request:

@@ -28,37 +28,20 @@ sys.path.insert(0, str(HERE))
 from test_vllm_scheduler_holds_blocks import (  # noqa: E402
     BLOCK,
     CHUNK,
-    HEAD,
-    KV_HEADS,
     LAYER_NAMES,
-    LAYERS,
     NUM_BLOCKS,
     Engine,
     Worker,
+    model_dir,
     store_jobs,
 )
 
+__all__ = ["model_dir"]  # the fixture, shared with test_vllm_scheduler_holds_blocks
+
 from kvsdk.plugins.vllm.messages import KVSDKConnectorMetadata  # noqa: E402
-from kvsdk.plugins.vllm.workloads.model_free_scheduler import write_llama_config  # noqa: E402
 
 ORDERS = ["save_then_finished", "finished_then_save"]
 """vLLM 0.32 (and 0.33 without a drafter); 0.33's model runner V2 with a drafter."""
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("model") / "tiny-llama-config"
-    return write_llama_config(
-        str(path),
-        hidden_size=KV_HEADS * HEAD * 2,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD,
-        vocab_size=1000,
-        max_position_embeddings=1024,
-    )
 
 
 class OrderedWorker(Worker):
