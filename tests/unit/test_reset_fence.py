@@ -14,35 +14,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+from disk_store_rig import SLOT, TPB, pump, scheduler_on, store_on
 
-from kvsdk.config import load_config
-from kvsdk.keys import GroupLayout, Namespace
 from kvsdk.scheduler import OffloadScheduler, WorkerResult
-from kvsdk.store.factory import build_store
 from kvsdk.store.tiered import TieredStore
 from kvsdk.transfer import Direction, TransferJob
-from kvsdk.types import GroupKind, KVGroupSpec, LookupResult
-
-TPB = 4
-SLOT = 256
-NS = Namespace("m", "float32", (GroupLayout((2, TPB, 1, 8), "float32"),), TPB)
-
-
-def store_on(disk: Path) -> TieredStore:
-    cfg = load_config(
-        {
-            "chunk_tokens": TPB,
-            "tiers": [
-                {"backend": "cpu", "capacity": 16 * SLOT},
-                {"backend": "disk", "path": str(disk), "capacity": "1MiB"},
-            ],
-        }
-    )
-    return build_store(cfg, NS, SLOT)
-
-
-def scheduler_on(disk: Path) -> OffloadScheduler:
-    return OffloadScheduler([KVGroupSpec(0, GroupKind.FULL_ATTENTION, TPB, 1)], NS, store_on(disk))
+from kvsdk.types import LookupResult
 
 
 class Worker:
@@ -68,14 +45,6 @@ def chain(n: int, salt: bytes) -> list[bytes]:
         prev = hashlib.sha256(prev + bytes([i])).digest()
         out.append(prev)
     return out
-
-
-def pump(store: TieredStore) -> None:
-    deadline = time.monotonic() + 20
-    while store.has_pending_work() and time.monotonic() < deadline:
-        store.step()
-        time.sleep(0.002)
-    store.step()
 
 
 def lookup(s: OffloadScheduler, rid: str, hashes: list[bytes]) -> int:

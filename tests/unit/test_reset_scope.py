@@ -10,39 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from disk_store_rig import NS, SLOT, TPB, pump, scheduler_on, store_on
 
 from kvsdk.cli import main
-from kvsdk.config import load_config
-from kvsdk.keys import GroupLayout, Namespace
 from kvsdk.scheduler import OffloadScheduler, WorkerResult
-from kvsdk.store.factory import build_store
 from kvsdk.store.tiered import TieredStore
-from kvsdk.types import GroupKind, KVGroupSpec, LookupResult
-
-TPB = 4
-SLOT = 256
-NS = Namespace("m", "float32", (GroupLayout((2, TPB, 1, 8), "float32"),), TPB)
-
-
-def store_on(disk: Path) -> TieredStore:
-    cfg = load_config(
-        {
-            "chunk_tokens": TPB,
-            "tiers": [
-                {"backend": "cpu", "capacity": 16 * SLOT},
-                {"backend": "disk", "path": str(disk), "capacity": "1MiB"},
-            ],
-        }
-    )
-    return build_store(cfg, NS, SLOT)
-
-
-def pump(store: TieredStore) -> None:
-    deadline = time.monotonic() + 20
-    while store.has_pending_work() and time.monotonic() < deadline:
-        store.step()
-        time.sleep(0.002)
-    store.step()
+from kvsdk.types import LookupResult
 
 
 def resolve(store: TieredStore, key: bytes) -> LookupResult:
@@ -79,10 +52,6 @@ def test_one_store_resets_the_other_still_hits_the_shared_disk(tmp_path: Path) -
     assert all(b.lookup(k) is LookupResult.HIT for k in keys)  # b's view is untouched
     for s in (a, b, fresh):
         s.shutdown()
-
-
-def scheduler_on(disk: Path) -> OffloadScheduler:
-    return OffloadScheduler([KVGroupSpec(0, GroupKind.FULL_ATTENTION, TPB, 1)], NS, store_on(disk))
 
 
 def chain(n: int) -> list[bytes]:

@@ -14,39 +14,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+from disk_store_rig import SLOT, pump, store_on
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from kvsdk.config import load_config
-from kvsdk.keys import GroupLayout, Namespace
-from kvsdk.store.factory import build_store
-from kvsdk.store.tiered import TieredStore
 from kvsdk.types import LookupResult
-
-TPB = 4
-SLOT = 256
-NS = Namespace("m", "float32", (GroupLayout((2, TPB, 1, 8), "float32"),), TPB)
-
-
-def store_on(disk: Path) -> TieredStore:
-    cfg = load_config(
-        {
-            "chunk_tokens": TPB,
-            "tiers": [
-                {"backend": "cpu", "capacity": 16 * SLOT},
-                {"backend": "disk", "path": str(disk), "capacity": "1MiB"},
-            ],
-        }
-    )
-    return build_store(cfg, NS, SLOT)
-
-
-def pump(store: TieredStore) -> None:
-    deadline = time.monotonic() + 20
-    while store.has_pending_work() and time.monotonic() < deadline:
-        store.step()
-        time.sleep(0.002)
-    store.step()
 
 
 def test_tier_info_names_each_tiers_configuration_and_nothing_secret(tmp_path: Path) -> None:
