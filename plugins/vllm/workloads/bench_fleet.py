@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvsdk.plugins.vllm.workloads.fleet_configs import EngineInfo, FleetConfig, Shared
+from kvsdk.plugins.vllm.workloads.fleet_configs import EngineInfo, FleetConfig, RunWatch, Shared
 from kvsdk.plugins.vllm.workloads.fleet_metrics import delta, engine_figures, scrape
 from kvsdk.plugins.vllm.workloads.fleet_procs import (
     Proc,
@@ -47,6 +47,7 @@ class FleetSettings:
     host_bytes: int = 1 << 30
     kv_cache_gib: int = 1
     redis_maxmemory: str = "6gb"
+    mooncake_segment_bytes: int = 6 << 30
     max_model_len: int = 4096
     pin: bool = True
     start_timeout_s: float = 600.0
@@ -86,6 +87,30 @@ def _start_engines(
     return engines, infos
 
 
+def _run_watched(
+    url: str, model: str, w: Workload, done: Any, watch: RunWatch | None
+) -> tuple[list[dict[str, Any]], float, float]:
+    """:func:`run_workload`, telling ``watch`` of each finished request; also the
+    ``time.perf_counter()`` the workload's clock starts at (the records' send
+    times are made relative to it when it ends: one record's time before and
+    after gives it)."""
+    first: list[tuple[dict[str, Any], float]] = []
+    finished = 0
+
+    def on_done(rec: dict[str, Any]) -> None:
+        nonlocal finished
+        finished += 1
+        if not first:
+            first.append((rec, rec["sent_s"]))
+        done(rec)
+        if watch is not None:
+            watch.request_done(finished, w.requests)
+
+    records, wall = run_workload(url, model, w, on_done)
+    t0 = first[0][1] - first[0][0]["sent_s"] if first else time.perf_counter() - wall
+    return records, wall, t0
+
+
 def run_one(
     config: FleetConfig,
     shared: Shared,
@@ -116,9 +141,17 @@ def run_one(
         router = procs.add(Proc(f"{config.name}-router", argv, logs))
         router.wait_http(f"http://127.0.0.1:{port}/health", 120)
         started = time.perf_counter() - t0
-        before = [scrape(e.url, e.exporter_port) for e in engines]
-        records, wall = run_workload(f"http://127.0.0.1:{port}", model, w, done)
-        after = [scrape(e.url, e.exporter_port) for e in engines]
+
+        def probe() -> list[dict[str, float]]:
+            return [scrape(e.url, e.exporter_port) for e in engines]
+
+        watch = config.tier.watch(shared, probe) if config.tier is not None else None
+        before = probe()
+        records, wall, watched = _run_watched(f"http://127.0.0.1:{port}", model, w, done, watch)
+        after = probe()
+        extra = {}
+        if watch is not None and config.tier is not None:
+            extra[config.tier.record_key] = watch.result(watched, wall, before, after)
         for e in engines:
             e.proc.check_alive()
     return {
@@ -128,6 +161,7 @@ def run_one(
         "start_s": started,
         "engines": [engine_figures(delta(b, a)) for b, a in zip(before, after, strict=True)],
         "load_avg_1m": os.getloadavg()[0],
+        **extra,
     }
 
 
@@ -171,7 +205,8 @@ def run_bench(
         tempfile.TemporaryDirectory(prefix=f".{out.stem}-work-", dir=out.parent) as tmp,
         Procs() as long_lived,  # stopped before the directory goes
     ):
-        shared = Shared(Path(tmp).resolve(), long_lived, redis_maxmemory=s.redis_maxmemory)
+        shared = Shared(Path(tmp).resolve(), long_lived, redis_maxmemory=s.redis_maxmemory,
+                        mooncake_segment_bytes=s.mooncake_segment_bytes)  # fmt: skip
         try:
             for config in configs:  # shared servers start once, before the first run
                 if config.tier is not None:

@@ -4,7 +4,9 @@ A configuration is a kvsdk tier below the host tier (or no connector) and a
 router policy. Tiers (:data:`TIERS`) and policies (:data:`POLICIES`) are
 tables of their own: a new shared tier is one :class:`TierSpec` (how to
 start what it needs once, how to empty it before a run, the kvsdk tier entry
-the engines get), a new policy one :class:`PolicySpec` (the router's
+the engines get, and what to do to it while the workload runs: the
+``redis_cluster_failover`` tier kills a master part-way through), a new
+policy one :class:`PolicySpec` (the router's
 ``--policy``, the router arguments it needs from the engines and the engines'
 own extra arguments: the ``kv_aware`` policy gives each engine
 ``--kv-events-config`` publishing on ``tcp://*:{events_port}`` and the
@@ -21,9 +23,16 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from kvsdk.plugins.vllm.workloads.fleet_mooncake import MooncakeStore, start_mooncake
 from kvsdk.plugins.vllm.workloads.fleet_procs import Procs, start_redis
+from kvsdk.plugins.vllm.workloads.fleet_redis_cluster import (
+    MasterKill,
+    Probe,
+    RedisClusterFleet,
+    start_redis_cluster,
+)
 
 DEFAULT_CONFIGS = (
     "none-rr",
@@ -44,13 +53,32 @@ class Shared:
     procs: Procs
     redis_maxmemory: str = "6gb"
     redis_policy: str = "allkeys-lru"
+    mooncake_segment_bytes: int = 6 << 30
+    """The Mooncake holder's memory (touched only as objects are written)."""
     state: dict[str, Any] = field(default_factory=dict)
+
+
+class RunWatch(Protocol):
+    """What a tier does while a run's workload goes on (see :meth:`TierSpec.watch`)."""
+
+    def request_done(self, finished: int, total: int) -> None:
+        """``finished`` of the run's ``total`` requests are done (called in the
+        workload's event loop: must return at once)."""
+
+    def result(
+        self, t0: float, wall_s: float, start: list[dict[str, float]], end: list[dict[str, float]]
+    ) -> dict[str, Any]:
+        """What happened, for the run's JSON: times since ``t0`` (``time.perf_counter``
+        when the workload started), ``start``/``end`` every engine's metrics then."""
+        ...
 
 
 class TierSpec:
     """One kvsdk tier below the host tier, shared by both engines."""
 
     name = ""
+    record_key = ""
+    """Where a :meth:`watch`'s result goes in the run's JSON."""
 
     def open(self, shared: Shared) -> None:
         """Start what the tier needs, once per bench (before its first run)."""
@@ -61,6 +89,11 @@ class TierSpec:
     def tier(self, shared: Shared) -> dict[str, Any] | None:
         """The tier's entry in kvsdk's ``tiers`` list (None: the host tier alone)."""
         raise NotImplementedError
+
+    def watch(self, shared: Shared, probe: Probe) -> RunWatch | None:
+        """Something to do while the workload runs (None: nothing); ``probe``
+        reads every engine's metrics."""
+        return None
 
 
 class HostOnly(TierSpec):
@@ -113,7 +146,76 @@ class DiskTier(TierSpec):
         return {"backend": "disk", "path": str(self.path(shared))}
 
 
-TIERS: dict[str, TierSpec] = {t.name: t for t in (RedisTier(), DiskTier(), HostOnly())}
+class MooncakeTier(TierSpec):
+    """A Mooncake Store on loopback: ``mooncake_master`` and one ``mooncake_client``
+    holder contributing ``Shared.mooncake_segment_bytes``; each engine's tier is a
+    client contributing nothing. A master keeps its index in memory and a read
+    holds a lease that refuses removal for ~10 s, so the store is emptied by
+    starting master and holder afresh for each run."""
+
+    name = "mooncake"
+
+    def reset(self, shared: Shared) -> None:
+        old = shared.state.pop("mooncake", None)
+        if old is not None:
+            shared.procs.stop(old)
+        store = start_mooncake(shared.workdir, shared.mooncake_segment_bytes)
+        shared.state["mooncake"] = shared.procs.add(store)
+
+    def tier(self, shared: Shared) -> dict[str, Any]:
+        store: MooncakeStore = shared.state["mooncake"]
+        return {"backend": "mooncake", "master": store.address}
+
+
+class RedisClusterTier(TierSpec):
+    """A Redis Cluster on loopback: three masters and a replica each,
+    ``cluster-require-full-coverage no``, ``Shared.redis_maxmemory`` split over
+    the masters (LRU). Each engine's tier names every master as a seed node.
+    Started afresh for each run (a run may have killed a master)."""
+
+    name = "redis_cluster"
+
+    def reset(self, shared: Shared) -> None:
+        from kvsdk.config import parse_size
+
+        old = shared.state.pop("redis_cluster", None)
+        if old is not None:
+            shared.procs.stop(old)
+        workdir = shared.workdir / f"redis-cluster-{shared.state.get('clusters', 0)}"
+        shared.state["clusters"] = shared.state.get("clusters", 0) + 1
+        memory = parse_size(shared.redis_maxmemory, "redis_maxmemory")
+        cluster = start_redis_cluster(workdir, memory, shared.redis_policy)
+        shared.state["redis_cluster"] = shared.procs.add(cluster)
+
+    def tier(self, shared: Shared) -> dict[str, Any]:
+        cluster: RedisClusterFleet = shared.state["redis_cluster"]
+        seeds = [f"redis://127.0.0.1:{port}" for port in sorted(cluster.masters())]
+        return {"backend": "redis", "cluster": True, "url": f"{seeds[0]}/0", "urls": seeds[1:]}
+
+
+class RedisClusterFailover(RedisClusterTier):
+    """:class:`RedisClusterTier`, and one master ``kill -9``-ed once ``kill_after``
+    of each run's requests have finished (see ``fleet_redis_cluster.MasterKill``)."""
+
+    name = "redis_cluster_failover"
+    record_key = "failover"
+    kill_after = 0.4
+
+    def watch(self, shared: Shared, probe: Probe) -> RunWatch:
+        return MasterKill(shared.state["redis_cluster"], self.kill_after, probe)
+
+
+TIERS: dict[str, TierSpec] = {
+    t.name: t
+    for t in (
+        RedisTier(),
+        DiskTier(),
+        HostOnly(),
+        MooncakeTier(),
+        RedisClusterTier(),
+        RedisClusterFailover(),
+    )
+}
 """kvsdk tiers below the host tier, by name (``kvsdk-NAME-POLICY``)."""
 
 

@@ -77,6 +77,17 @@ def async_wait_histogram(samples: dict[str, float]) -> dict[str, Any]:
     }
 
 
+def by_tier(d: dict[str, float], name: str) -> dict[str, float]:
+    """``name``'s samples by their ``tier`` label (kvsdk numbers tiers: 0 is the
+    host tier, 1 the next one below it)."""
+    out: dict[str, float] = {}
+    for k, v in d.items():
+        if k.startswith(name + "{") and "tier=" in k:
+            tier = k.split("tier=")[-1].split(",")[0].strip('"}')
+            out[tier] = out.get(tier, 0.0) + v
+    return out
+
+
 def engine_figures(d: dict[str, float]) -> dict[str, Any]:
     """One engine's figures over a run, from its metrics' difference ``d``."""
     return {
@@ -89,11 +100,8 @@ def engine_figures(d: dict[str, float]) -> dict[str, Any]:
         "kvsdk_backend_errors": total(d, "kvsdk_backend_errors_total"),
         "kvsdk_failed_jobs": total(d, "kvsdk_failed_jobs_total"),
         "kvsdk_corrupt_chunks": total(d, "kvsdk_corrupt_chunks_total"),
-        "kvsdk_loaded_bytes": {
-            k.split("tier=")[-1].strip('"}'): v
-            for k, v in d.items()
-            if k.startswith("kvsdk_loaded_bytes_total")
-        },
+        "kvsdk_loaded_bytes": by_tier(d, "kvsdk_loaded_bytes_total"),
+        "kvsdk_lookup_hits": by_tier(d, "kvsdk_lookup_hits_total"),
         "lookup_wait_async": async_wait_histogram(d),
     }
 

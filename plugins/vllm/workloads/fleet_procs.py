@@ -1,10 +1,11 @@
 """The processes of ``kvsdk bench fleet``: vLLM's OpenAI servers, the router,
-a Redis server; each started in a session of its own and stopped with its
-whole process group (an API server's EngineCore and model worker too).
+the shared tiers' servers; each started in a session of its own and stopped
+with its whole process group (an API server's EngineCore and model worker too).
 
-:class:`Proc` is one such process; :class:`Procs` stops every process it
-started, newest first, whatever the run ended in (an error, Ctrl-C, SIGTERM:
-see :func:`sigterm_as_interrupt`).
+:class:`Proc` is one such process; :class:`Procs` stops every process (or
+group of processes: anything with ``stop()``) it was given, newest first,
+whatever the run ended in (an error, Ctrl-C, SIGTERM: see
+:func:`sigterm_as_interrupt`).
 """
 
 from __future__ import annotations
@@ -20,23 +21,53 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
 ROUTER_BIN = "vllm-router"
+P = TypeVar("P", bound="Stoppable")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(also_free: int = 0) -> int:
+    """A free loopback port; with ``also_free``, one whose ``port + also_free`` is
+    free too (a Redis Cluster node also listens on its port + 10000)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if not also_free:
+            return port
+        if port + also_free > 65535:
+            continue
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port + also_free))
+            return port
+    raise RuntimeError("no free loopback port")
+
+
+def wait_port(proc: Proc, port: int, timeout: float = 15.0) -> None:
+    """Until ``port`` on loopback accepts a connection; raises with ``proc``'s log
+    tail if it exits or ``timeout`` passes first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        proc.check_alive()
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{proc.name}: port {port} did not answer:\n{proc.log_tail()}")
+        time.sleep(0.05)
+
+
+def venv_binary(name: str) -> str | None:
+    """``name`` beside this interpreter (the project venv), else on PATH."""
+    here = Path(sys.executable).with_name(name)
+    return str(here) if here.exists() else shutil.which(name)
 
 
 def router_binary() -> str | None:
     """``vllm-router`` beside this interpreter (the project venv), else on PATH."""
-    here = Path(sys.executable).with_name(ROUTER_BIN)
-    return str(here) if here.exists() else shutil.which(ROUTER_BIN)
+    return venv_binary(ROUTER_BIN)
 
 
 def _die_with_parent() -> None:
@@ -94,6 +125,13 @@ class Proc:
             f"{self.name}: {url} not ready after {timeout:.0f} s:\n{self.log_tail()}"
         )
 
+    def kill(self) -> None:
+        """SIGKILL to its process group (``kill -9``: a crash, nothing flushed)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM, then SIGKILL to whatever of its process group is left."""
         if self.proc.poll() is None:
@@ -107,15 +145,25 @@ class Proc:
             self.proc.wait(10)
 
 
+class Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
 class Procs:
     """The processes of one run; :meth:`close` stops them all, newest first."""
 
     def __init__(self) -> None:
-        self.procs: list[Proc] = []
+        self.procs: list[Stoppable] = []
 
-    def add(self, proc: Proc) -> Proc:
+    def add(self, proc: P) -> P:
         self.procs.append(proc)
         return proc
+
+    def stop(self, proc: Stoppable) -> None:
+        """Stop one of them now and forget it."""
+        proc.stop()
+        if proc in self.procs:
+            self.procs.remove(proc)
 
     def close(self) -> None:
         while self.procs:
@@ -176,24 +224,27 @@ def pinned(argv: list[str], core: int | None) -> tuple[list[str], dict[str, str]
     return ["taskset", "-c", str(core), *argv], {**env, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
 
 
-def start_redis(log_dir: Path, maxmemory: str, policy: str) -> tuple[Proc, int]:
-    """A loopback ``redis-server`` without persistence, LRU over ``maxmemory``."""
+def start_redis(
+    log_dir: Path,
+    maxmemory: str,
+    policy: str,
+    *,
+    name: str = "redis",
+    port: int = 0,
+    extra: list[str] | None = None,
+) -> tuple[Proc, int]:
+    """A loopback ``redis-server`` without persistence, LRU over ``maxmemory``;
+    ``extra`` arguments after those (e.g. cluster mode), its files in ``log_dir``."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-    port = free_port()
+    port = port or free_port()
     argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
             "--appendonly", "no", "--dir", str(log_dir), "--maxmemory", maxmemory,
-            "--maxmemory-policy", policy, "--set-proc-title", "no"]  # fmt: skip
-    proc = Proc("redis", argv, log_dir)
-    deadline = time.monotonic() + 15
-    while True:
-        proc.check_alive()
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
-            return proc, port
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"redis-server on port {port} did not answer:\n{proc.log_tail()}")
-        time.sleep(0.05)
+            "--maxmemory-policy", policy, "--set-proc-title", "no", *(extra or [])]  # fmt: skip
+    proc = Proc(name, argv, log_dir)
+    wait_port(proc, port)
+    return proc, port
 
 
 def router_argv(
