@@ -176,10 +176,11 @@ def run_bench(
     model_info: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``passes`` passes over ``configs``, in order then reversed; writes ``out``
-    (JSON) and its ``.png``; returns the result (see fleet_report.summarize)."""
+    (JSON), its ``.png`` and, when a run killed a master, ``STEM-failover.png``
+    (TTFT over time); returns the result (see fleet_report.summarize)."""
     from tqdm import tqdm
 
-    from kvsdk.plugins.vllm.workloads.fleet_report import plot, summarize
+    from kvsdk.plugins.vllm.workloads.fleet_report import plot, plot_failover, summarize
 
     out, model = out.resolve(), str(Path(model).resolve())  # processes run in the log dir
     orders = [configs if p % 2 == 0 else configs[::-1] for p in range(passes)]
@@ -221,6 +222,9 @@ def run_bench(
             bar.close()
     result = summarize(runs, [c.name for c in configs], w, s, passes, model_info or {})
     result["logs"] = str(logs)
+    failover_png = out.with_name(f"{out.stem}-failover.png")
+    if plot_failover(result, failover_png):
+        result["failover_plot"] = str(failover_png)
     out.write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
     return result

@@ -1,6 +1,8 @@
 """The report of ``kvsdk bench fleet``: per configuration, figures pooled over
 its passes, ratios to the baselines (``none-rr``, ``none-cache_aware``), the
-outputs compared with ``none-rr``'s, the table and the plot."""
+share of the recomputable prefix each pass reused (:mod:`.fleet_reuse`), a
+killed master's stretches (before the kill, to the promotion, after it), the
+outputs compared with ``none-rr``'s, the table and the plots."""
 
 from __future__ import annotations
 
@@ -10,8 +12,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvsdk.plugins.vllm.workloads.fleet_configs import BASELINES
+from kvsdk.plugins.vllm.workloads.fleet_configs import BASELINES, VLLM_CPU_BLOCK_SIZE
 from kvsdk.plugins.vllm.workloads.fleet_metrics import merge_histograms
+from kvsdk.plugins.vllm.workloads.fleet_reuse import recomputable_tokens, reuse_shares
+from kvsdk.plugins.vllm.workloads.fleet_workload import conversations
+
+SHARED_TIER = "1"
+"""kvsdk's number for the tier below the host tier (metrics' ``tier`` label)."""
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -29,7 +36,40 @@ def _p50(run: dict[str, Any]) -> float:
     return percentile([x["ttft_ms"] for x in run["records"] if x["error"] is None], 0.5)
 
 
-def _config_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def _reuse(run: dict[str, Any], recomputable: int) -> dict[str, Any]:
+    return reuse_shares(
+        recomputable,
+        sum(e["prefix_hits"] for e in run["engines"]),
+        sum(e["kvsdk_hit_tokens"] for e in run["engines"]),
+    )
+
+
+def _failover(run: dict[str, Any]) -> dict[str, Any]:
+    """A killed master's run: its record, and per stretch (before the kill, kill to
+    promotion, after the promotion; by send time) the requests, their p50 TTFT,
+    the shared tier's hits (chunks) and loaded bytes, and kvsdk's backend errors."""
+    f = run["failover"]
+    kill = f["kill_s"] if f["kill_s"] is not None else float("inf")
+    promoted = f["promoted_s"] if f["promoted_s"] is not None else float("inf")
+    bounds = {"before_kill": (0.0, kill), "kill_to_promotion": (kill, promoted),
+              "after_promotion": (promoted, float("inf"))}  # fmt: skip
+    stretches = {}
+    for name, (lo, hi) in bounds.items():
+        recs = [x for x in run["records"] if lo <= x["sent_s"] < hi and x["error"] is None]
+        figures = f["stretches"].get(name) or {}
+        stretches[name] = {
+            "requests": len(recs),
+            "ttft_p50_ms": percentile([x["ttft_ms"] for x in recs], 0.5),
+            "shared_tier_hits": figures.get("kvsdk_lookup_hits", {}).get(SHARED_TIER),
+            "shared_tier_loaded_bytes": figures.get("kvsdk_loaded_bytes", {}).get(SHARED_TIER),
+            "kvsdk_hit_tokens": figures.get("kvsdk_hit_tokens"),
+            "backend_errors": figures.get("kvsdk_backend_errors"),
+        }
+    return {"pass": run["pass"], **{k: v for k, v in f.items() if k != "stretches"},
+            "stretches": stretches}  # fmt: skip
+
+
+def _config_figures(runs: list[dict[str, Any]], recomputable: int) -> dict[str, Any]:
     records = [rec for run in runs for rec in run["records"]]
     ttfts = [rec["ttft_ms"] for rec in records if rec["error"] is None]
     engines = [e for run in runs for e in run["engines"]]
@@ -56,6 +96,8 @@ def _config_figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "corrupt_chunks": sum(e["kvsdk_corrupt_chunks"] for e in engines),
         "engine_requests": [e["requests"] for e in engines],
         "start_s": statistics.fmean(run["start_s"] for run in runs),
+        "reuse_per_pass": [_reuse(run, recomputable) for run in runs],
+        "failover_per_pass": [_failover(run) for run in runs if "failover" in run],
     }
 
 
@@ -101,7 +143,13 @@ def summarize(
     passes: int,
     model_info: dict[str, Any],
 ) -> dict[str, Any]:
-    results = {n: _config_figures([r for r in runs if r["config"] == n]) for n in names}
+    recomputable = recomputable_tokens(
+        ((req.user, req.prompt) for batch in conversations(workload) for req in batch),
+        VLLM_CPU_BLOCK_SIZE,
+    )
+    results = {
+        n: _config_figures([r for r in runs if r["config"] == n], recomputable) for n in names
+    }
     ratios: dict[str, dict[str, Any]] = {}
     for base in (b for b in BASELINES if b in names):
         ratios[base] = {}
@@ -123,7 +171,8 @@ def summarize(
                 "ttft_p50_per_pass": [_p50(a) / _p50(b) for a, b in pairs],
             }
     return {
-        "workload": workload.as_dict() | {"requests_per_pass": workload.requests},
+        "workload": workload.as_dict()
+        | {"requests_per_pass": workload.requests, "recomputable_tokens_per_pass": recomputable},
         "settings": asdict(settings),
         "model": model_info,
         "passes": passes,
@@ -161,6 +210,8 @@ def format_report(r: dict[str, Any]) -> str:
                 q = rows[n]
                 each = "/".join(f"{x:.2f}" for x in q["ttft_p50_per_pass"])
                 lines.append(f"  {n:<24}{q['ttft_p50']:>7.3f}x ({each})  {q['throughput']:>7.3f}x")
+    lines += _reuse_lines(r)
+    lines += _failover_lines(r)
     o = r["outputs"]
     lines.append(
         f"outputs (greedy token ids) equal to none-rr's: {o['matched']}/{o['compared']} "
@@ -181,6 +232,96 @@ def format_report(r: dict[str, Any]) -> str:
         f"{s['host_bytes'] >> 20} MiB per engine; {r['cpus']} CPUs; model {r['model']}"
     )
     return "\n".join(lines)
+
+
+def _shares(values: list[float | None]) -> str:
+    return "/".join("-" if v is None else f"{v:.2f}" for v in values)
+
+
+def _reuse_lines(r: dict[str, Any]) -> list[str]:
+    lines = [
+        f"recomputable prefix: {r['workload']['recomputable_tokens_per_pass']} tokens per pass "
+        f"(whole {VLLM_CPU_BLOCK_SIZE}-token blocks of each prompt an earlier turn of its user "
+        "computed); per pass: kvsdk = kvsdk tokens / (recomputable - vLLM's own hits), "
+        "fleet = (vLLM's own hits + kvsdk tokens) / recomputable"
+    ]
+    for n in r["configs"]:
+        reuse = r["results"][n]["reuse_per_pass"]
+        kvsdk = (
+            "" if n.startswith("none-") else f"kvsdk {_shares([x['kvsdk_share'] for x in reuse])}  "
+        )
+        lines.append(f"  {n:<24}{kvsdk}fleet {_shares([x['fleet_share'] for x in reuse])}")
+    return lines
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None or v != v else f"{v:.0f}"
+
+
+def _failover_lines(r: dict[str, Any]) -> list[str]:
+    lines = []
+    for n in r["configs"]:
+        for f in r["results"][n]["failover_per_pass"]:
+            if f["kill_s"] is None:
+                lines.append(f"failover {n} pass {f['pass']}: no master killed ({f['error']})")
+                continue
+            after = (
+                "not promoted"
+                if f["promotion_after_kill_s"] is None
+                else f"replica promoted {f['promotion_after_kill_s']:.1f} s later"
+            )
+            st = [
+                f["stretches"][k] for k in ("before_kill", "kill_to_promotion", "after_promotion")
+            ]
+            lines.append(
+                f"failover {n} pass {f['pass']}: master {f['killed_master']} killed at "
+                f"{f['kill_s']:.1f} s (after {f['kill_after_requests']} of "
+                f"{r['workload']['requests_per_pass']} requests), {after}; before the kill / to "
+                f"the promotion / after it: requests {'/'.join(str(x['requests']) for x in st)}, "
+                f"p50 TTFT {'/'.join(_ms(x['ttft_p50_ms']) for x in st)} ms, shared-tier hits "
+                f"{'/'.join(_ms(x['shared_tier_hits']) for x in st)} chunks, backend errors "
+                f"{'/'.join(_ms(x['backend_errors']) for x in st)}"
+            )
+    if any(r["results"][n]["failover_per_pass"] for n in r["configs"]) and r.get("failover_plot"):
+        lines.append(f"TTFT over time around each kill: {r['failover_plot']}")
+    return lines
+
+
+def plot_failover(r: dict[str, Any], path: Path) -> bool:
+    """TTFT against send time for each run that killed a master (none-rr's same
+    pass in grey), the kill and the promotion marked; False: no such run."""
+    runs = [run for run in r["runs"] if "failover" in run]
+    if not runs:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 4.5), squeeze=False)
+    for ax, run in zip(axes[0], runs, strict=True):
+        base = next((b for b in r["runs"] if b["config"] == "none-rr" and b["pass"] == run["pass"]),
+                    None)  # fmt: skip
+        for other, style in ((base, {"color": "0.6", "label": "none-rr"}),
+                             (run, {"color": "C0", "label": run["config"]})):  # fmt: skip
+            if other is None:
+                continue
+            ok = [x for x in other["records"] if x["error"] is None]
+            ax.scatter([x["sent_s"] for x in ok], [x["ttft_ms"] for x in ok], s=12, **style)
+        f = run["failover"]
+        if f["kill_s"] is not None:
+            ax.axvline(f["kill_s"], color="C3", linestyle="--", label="master killed")
+        if f["promoted_s"] is not None:
+            ax.axvline(f["promoted_s"], color="C2", linestyle="--", label="replica promoted")
+        ax.set_xlabel("request sent (s since the workload began)")
+        ax.set_ylabel("TTFT at the client (ms)")
+        ax.set_title(f"{run['config']} pass {run['pass']}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle("a Redis Cluster master killed (kill -9) under load: TTFT over time")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
