@@ -187,6 +187,15 @@ class EventsConfig:
 
 
 @dataclass(frozen=True)
+class PDConfig:
+    wait_s: float = 5.0
+    """Prefill/decode disaggregation (vLLM ``kv_role`` ``kv_producer`` /
+    ``kv_consumer``): the longest a decode request carrying a prefill engine's
+    hand-off waits, without blocking the scheduler, for the prompt's chunks to
+    be readable in a shared tier; past it the rest is recomputed."""
+
+
+@dataclass(frozen=True)
 class KVSDKConfig:
     tiers: tuple[TierConfig, ...] = ()
     chunk_tokens: int | None = None
@@ -252,6 +261,8 @@ class KVSDKConfig:
     """Counters and histograms; an optional Prometheus endpoint."""
     events: EventsConfig = field(default_factory=EventsConfig)
     """Stored / removed / cleared events for KV-aware routers."""
+    pd: PDConfig = field(default_factory=PDConfig)
+    """Prefill/decode disaggregation through the shared tiers."""
 
 
 DEFAULT_TIERS: tuple[dict[str, Any], ...] = ({"backend": "cpu", "capacity": "4GiB"},)
@@ -503,6 +514,8 @@ def _check(
         raise ConfigError(f"metrics.prometheus_port: got {port}; expected a port from 1 to 65535")
     if cfg.events.max_pending < 1:
         raise ConfigError(f"events.max_pending: got {cfg.events.max_pending}; expected at least 1")
+    if not 0 <= cfg.pd.wait_s <= 600:
+        raise ConfigError(f"pd.wait_s: got {cfg.pd.wait_s}; expected seconds in [0, 600]")
     if cfg.io_threads < 1:
         raise ConfigError(f"io_threads: got {cfg.io_threads}; expected at least 1")
     backoff = cfg.store_backoff

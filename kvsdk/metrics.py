@@ -32,6 +32,7 @@ COUNTERS = {
     "kvsdk_lookup_index_misses_total": "Chunk lookups a slower tier's local index answered MISS",
     "kvsdk_lookup_waits_total": "Waits for slower tiers' lookups within a step, by outcome",
     "kvsdk_hit_tokens_total": "Tokens loaded from kvsdk (the part of each hit the engine took)",
+    "kvsdk_pd_handoffs_total": "P/D hand-offs decode requests carried, by outcome",
     "kvsdk_stored_bytes_total": "Bytes stored, by tier",
     "kvsdk_loaded_bytes_total": "Bytes loaded into the engine or promoted, by tier",
     "kvsdk_allocation_failures_total": "Stores refused for lack of room",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -14,7 +15,7 @@ from kvsdk.planner import LookupPlanner
 from kvsdk.scheduler.chunk_keys import ChunkKeys
 from kvsdk.scheduler.load_jobs import LoadJobs
 from kvsdk.scheduler.lookup import Lookups
-from kvsdk.scheduler.request import RequestState, follow_hashes
+from kvsdk.scheduler.request import RequestState, covered_tokens, follow_hashes, handoff_keys
 from kvsdk.scheduler.steps import NO_JOBS, StepJobs, WorkerResult
 from kvsdk.scheduler.store_jobs import Candidate, StoreJobs
 from kvsdk.scheduler.store_pacing import StorePacing
@@ -36,11 +37,14 @@ class OffloadScheduler:
         max_load_tokens: int | None = None,
         metrics: Metrics | None = None,
         blocks_rewritten_before_flush: bool = False,
+        stores: bool = True,
     ) -> None:
         """``blocks_rewritten_before_flush``: the engine may zero or overwrite a
         reallocated block before its workers flush the stores reading it (vLLM's
         model runner V2 zeroes new blocks and applies copy-on-write first): a
-        store caught by a flush is then discarded, never trusted."""
+        store caught by a flush is then discarded, never trusted.
+        ``stores``: False for an engine that only loads (a P/D decode engine):
+        no step builds a store, and no finished request holds its blocks."""
         self.groups = tuple(groups)
         self.namespace = namespace
         self.store = store
@@ -76,6 +80,7 @@ class OffloadScheduler:
         self._pacing = StorePacing(self.groups, self._keys, self._loads)
         self._jobs = StoreJobs(self.groups, store, self.ledger)
         self.blocks_rewritten_before_flush = blocks_rewritten_before_flush
+        self.stores = stores
         self._requests: dict[ReqKey, RequestState] = {}
         self._retired = 0
         """Incarnations retired so far (a reused id: see :meth:`add_request`)."""
@@ -316,6 +321,10 @@ class OffloadScheduler:
         pacing = self._pacing
         store_due = pacing.due
         tails: list[RequestState] = []
+        # a loading-only engine offers nothing for storing
+        done_offers = done if self.stores else dict[ReqKey, int]()
+        if not self.stores:
+            computed_after_step = {}
         for req_id, upto in computed_after_step.items():
             # most steps complete no new chunk for most requests: one comparison
             if upto >= store_due.get(req_id, upto + 1):
@@ -324,7 +333,7 @@ class OffloadScheduler:
                     candidates.setdefault(r.tenant, []).append((r, *found))
                 if pacing.tail_due(r, upto):
                     tails.append(r)
-        for key, upto in done.items():
+        for key, upto in done_offers.items():
             r = requests.get(key)
             if r is None:
                 continue
@@ -396,11 +405,40 @@ class OffloadScheduler:
         r.finish_tokens = num_tokens
         self._awaiting_final_store.add(req_id)
         self._lookups.end_deferral(r)
-        final_store_due = num_tokens is not None and (
-            (num_tokens >= r.next_store_at and req_id not in self._loads.loading)
-            or self._pacing.tail_due(r, num_tokens)
+        final_store_due = (
+            self.stores
+            and num_tokens is not None
+            and (
+                (num_tokens >= r.next_store_at and req_id not in self._loads.loading)
+                or self._pacing.tail_due(r, num_tokens)
+            )
         )
         return final_store_due or self.ledger.has_store_jobs(req_id)
+
+    # -- prefill/decode hand-off ------------------------------------------------------------------
+    def handoff(self, req_id: ReqId, upto: int) -> tuple[int, bytes]:
+        """A finished prefill's hand-off: of its first ``upto`` tokens (its
+        prompt), how many its stored entries cover (whole chunks, then the
+        prompt's tail), and the digest of those entries' keys
+        (:meth:`handoff_digest`). Call before :meth:`request_finished`."""
+        r = self._requests[req_id]
+        self._keys.refresh(r)
+        tokens = covered_tokens(r, self.groups, upto)
+        digest = self.handoff_digest(req_id, tokens)
+        assert digest is not None
+        return tokens, digest
+
+    def handoff_digest(self, req_id: ReqId, tokens: int) -> bytes | None:
+        """Digest of the keys of the entries holding ``req_id``'s first
+        ``tokens`` tokens, under this scheduler's key space: equal on two
+        engines exactly when they name the same chunks (same namespace, epoch,
+        tokens and salt). None: its keys do not reach ``tokens``."""
+        r = self._requests[req_id]
+        self._keys.refresh(r)
+        keys = handoff_keys(r, self.groups, tokens)
+        if keys is None:
+            return None
+        return hashlib.blake2b(b"".join(keys), digest_size=16, person=b"kvsdk pd").digest()
 
     def _finish(self, req_id: ReqKey) -> None:
         self._awaiting_final_store.discard(req_id)

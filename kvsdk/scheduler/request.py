@@ -202,3 +202,35 @@ def load_copies(r: RequestState, groups: Sequence[KVGroupSpec], end: int) -> Loa
         keys += dict.fromkeys(bkeys)
         per_group.append((gi, eb, bkeys, offs))
     return LoadCopies(keys, per_group)
+
+
+def handoff_keys(
+    r: RequestState, groups: Sequence[KVGroupSpec], tokens: int
+) -> list[ChunkKey] | None:
+    """The keys of the entries that hold ``r``'s first ``tokens`` tokens in every
+    group: its whole chunks, and the prompt's tail where ``tokens`` ends inside
+    the last chunk (None: ``r``'s keys do not reach ``tokens``)."""
+    keys: list[ChunkKey] = []
+    for gi, g in enumerate(groups):
+        whole, part = divmod(tokens, g.tokens_per_chunk)
+        if len(r.keys[gi]) < whole:
+            return None
+        keys += r.keys[gi][:whole]
+        if part:
+            if r.tail is None or r.tail.start != whole * g.tokens_per_chunk or r.tail.end != tokens:
+                return None
+            keys.append(r.tail.keys[gi])
+    return keys
+
+
+def covered_tokens(r: RequestState, groups: Sequence[KVGroupSpec], upto: int) -> int:
+    """Of ``r``'s first ``upto`` tokens, how many its keys name in every group:
+    whole chunks, then the prompt's tail where it ends at ``upto``."""
+    whole = min(
+        min(len(r.keys[gi]), upto // g.tokens_per_chunk) * g.tokens_per_chunk
+        for gi, g in enumerate(groups)
+    )
+    t = r.tail
+    if t is not None and t.start == whole and t.end == upto:
+        return upto
+    return whole

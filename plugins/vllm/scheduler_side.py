@@ -4,8 +4,10 @@ events and stats translated back."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +16,7 @@ from vllm.v1.request import RequestStatus
 
 from kvsdk import plugins_manager
 from kvsdk.backend import SlabRequest
-from kvsdk.config import ConfigError
+from kvsdk.config import AdmissionConfig, ConfigError
 from kvsdk.events import RequestTokens
 from kvsdk.plugins.vllm.kv_events import VLLMEventTranslator, spec_kinds
 from kvsdk.plugins.vllm.layout import EngineLayout
@@ -24,6 +26,13 @@ from kvsdk.plugins.vllm.messages import (
     KVSDKHandshake,
     KVSDKWorkerMetadata,
     machine_id,
+)
+from kvsdk.plugins.vllm.pd_params import (
+    Handoff,
+    Role,
+    engine_role,
+    parse_handoff,
+    wants_remote_decode,
 )
 from kvsdk.scheduler import OffloadScheduler, WorkerResult
 from kvsdk.store.factory import StoreHandle, describe_tier
@@ -40,6 +49,18 @@ log = logging.getLogger("vllm.kvsdk")  # shown by vLLM's own log handler
 IDLE_IO_WAIT_SECONDS = 0.002
 """Longest a step with nothing scheduled waits for kvsdk's tier I/O (a request
 arriving meanwhile is scheduled at most this much later)."""
+
+PD_POLL_SECONDS = 0.005
+"""Longest a step with nothing scheduled sleeps while decode requests wait for
+a prefill engine's chunks (each step looks them up again)."""
+
+
+@dataclasses.dataclass(slots=True)
+class _HandoffWait:
+    """A decode request waiting for the chunks of its prefill's hand-off."""
+
+    handoff: Handoff
+    deadline: float
 
 
 def _has_event_sinks() -> bool:
@@ -105,8 +126,25 @@ def recompute_failed_loads(vllm_config: Any) -> None:
         ktc.kv_load_failure_policy = "recompute"
 
 
+def role_layout(layout: EngineLayout, role: Role) -> EngineLayout:
+    """The layout a P/D role runs with: prompt tails on (the hand-off covers the
+    prompt to its end) and, for a producer, every chunk admitted (a decode
+    engine reads what admission would have skipped)."""
+    if role is Role.BOTH:
+        return layout
+    cfg = dataclasses.replace(layout.config, prompt_tail=True)
+    if role is Role.PRODUCER:
+        cfg = dataclasses.replace(cfg, admission=AdmissionConfig(policy="all", min_lookups=0))
+    return dataclasses.replace(layout, config=cfg)
+
+
 class SchedulerSide:
     def __init__(self, layout: EngineLayout, vllm_config: Any) -> None:
+        try:
+            self.role = engine_role(vllm_config.kv_transfer_config.kv_role, layout.config)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        layout = role_layout(layout, self.role)
         self.layout = layout
         self.handle = StoreHandle(layout.config)  # starts and stops the store
         self.store = self.handle.build_store(
@@ -143,7 +181,12 @@ class SchedulerSide:
             # model runner V2 zeroes new blocks and applies copy-on-write
             # before handle_preemptions: a flushed store may read rewritten bytes
             blocks_rewritten_before_flush=bool(getattr(vllm_config, "use_v2_model_runner", False)),
+            stores=self.role is not Role.CONSUMER,
         )
+        self._stores = self.role is not Role.CONSUMER
+        self._pd_wait_s = layout.config.pd.wait_s
+        self._pd: dict[str, _HandoffWait | None] = {}
+        """P/D requests with a hand-off: waiting (its wait), or decided (None)."""
         self._prompt_tail = layout.config.prompt_tail
         self.requests: dict[str, Request] = {}
         """Requests vLLM may schedule (a finished one leaves at its finish)."""
@@ -219,12 +262,97 @@ class SchedulerSide:
         self.requests[rid] = request
         if getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
-        hit = self.core.lookup(rid, num_computed_tokens, num_tokens=request.num_tokens)
+        if self.role is not Role.BOTH:
+            return self._handoff_matched(request, num_computed_tokens)
+        return self._matched(request, num_computed_tokens)
+
+    def _matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """What a lookup of ``request`` promises vLLM."""
+        hit = self.core.lookup(
+            request.request_id, num_computed_tokens, num_tokens=request.num_tokens
+        )
         if hit and self.sync_loads:
             # vLLM computes a token in the step that loads: the last one's KV is
             # recomputed (as after an asynchronous load of the whole prompt)
             hit = min(hit, request.num_tokens - 1 - num_computed_tokens)
         return hit, bool(hit) and not self.sync_loads
+
+    def _handoff_outcome(self, rid: str, outcome: str) -> None:
+        self._pd[rid] = None
+        self.store.metrics.inc("kvsdk_pd_handoffs_total", outcome=outcome)
+
+    def _handoff_matched(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """A P/D engine's lookup. Without a hand-off in its ``kv_transfer_params``
+        a producer loads nothing and a consumer looks up as usual. With one, the
+        request waits (None: vLLM asks again next step) until the chunks it
+        names are readable, or ``pd.wait_s`` passed; then it loads what the
+        lookup verified and recomputes the rest. A hand-off from another key
+        space, or naming other chunks than this prompt's, is refused."""
+        rid = request.request_id
+        if rid not in self._pd:
+            h = parse_handoff(request.kv_transfer_params)
+            if isinstance(h, str):
+                log.warning("kvsdk: request %s: %s; not loading its hand-off", rid, h)
+                self._handoff_outcome(rid, "malformed")
+            elif h is not None:
+                self._pd[rid] = self._check_handoff(rid, request, h)
+        if rid not in self._pd:  # no hand-off
+            if self.role is Role.PRODUCER:
+                return 0, False
+            return self._matched(request, num_computed_tokens)
+        wait = self._pd[rid]
+        if wait is None:  # decided: refused, or past its deadline
+            return 0, False
+        if num_computed_tokens >= wait.handoff.tokens:
+            self._handoff_outcome(rid, "local")  # vLLM's own cache holds it
+            return 0, False
+        hit, is_async = self._matched(request, num_computed_tokens)
+        if hit is not None and num_computed_tokens + hit >= min(
+            wait.handoff.tokens, request.num_tokens - 1
+        ):
+            self._handoff_outcome(rid, "loaded")
+            return hit, is_async
+        if time.monotonic() < wait.deadline:
+            return None, False
+        log.info(
+            "kvsdk: request %s: its prefill's chunks were not readable within pd.wait_s "
+            "(%.1f s); recomputing past %d tokens",
+            rid,
+            self._pd_wait_s,
+            num_computed_tokens + (hit or 0),
+        )
+        self._handoff_outcome(rid, "timeout")
+        return (hit or 0), is_async and bool(hit)
+
+    def _check_handoff(self, rid: str, request: Request, h: Handoff) -> _HandoffWait | None:
+        """The wait for ``h``, or None (counted) where it cannot be this prompt's."""
+        if h.namespace != self.core.ns_fp.hex():
+            log.warning(
+                "kvsdk: request %s: its hand-off is keyed under namespace %s, this engine's "
+                "is %s (another model, dtype, chunk size, tenant or secret): recomputing",
+                rid,
+                h.namespace[:16],
+                self.core.ns_fp.hex()[:16],
+            )
+            self._handoff_outcome(rid, "foreign")
+            return None
+        digest = (
+            self.core.handoff_digest(rid, h.tokens)
+            if h.tokens <= request.num_prompt_tokens
+            else None
+        )
+        if digest is None or digest.hex() != h.ready:
+            log.warning(
+                "kvsdk: request %s: its hand-off names other chunks than its prompt's "
+                "(%d tokens): recomputing",
+                rid,
+                h.tokens,
+            )
+            self._handoff_outcome(rid, "mismatch")
+            return None
+        return _HandoffWait(h, time.monotonic() + self._pd_wait_s)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -252,8 +380,10 @@ class SchedulerSide:
         resumed.update(cached.resumed_req_ids)
         computed: dict[str, int] = {}
         requests, due, scheduled = self.requests, self.core.store_due, so.num_scheduled_tokens
-        for rid, done in itertools.chain(
-            before, zip(cached.req_ids, cached.num_computed_tokens, strict=True)
+        for rid, done in (
+            itertools.chain(before, zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+            if self._stores
+            else ()
         ):
             upto = done + scheduled[rid]
             if upto >= due.get(rid, upto + 1):  # only requests that may complete a chunk
@@ -282,6 +412,8 @@ class SchedulerSide:
             # nothing to compute but tier I/O (lookups waiting on a promotion,
             # writes draining): sleep on it briefly rather than spin empty steps
             self.store.wait_io(IDLE_IO_WAIT_SECONDS)
+        elif not so.num_scheduled_tokens and self._pd and any(self._pd.values()):
+            time.sleep(PD_POLL_SECONDS)  # decode requests wait for their prefill's chunks
         if not (jobs.loads or jobs.stores or finished):
             return KVSDKConnectorMetadata(flush=jobs.flush, sync_loads=self.sync_loads)
         job_requests = self.core.job_requests
@@ -322,10 +454,12 @@ class SchedulerSide:
         if meta.load_bytes:
             self.store.metrics.inc("kvsdk_loaded_bytes_total", meta.load_bytes, tier=0)
 
-    def request_finished(self, request: Request) -> bool:
-        """True: vLLM keeps the request's blocks until a later step's
-        ``release`` (its stores read them; freed blocks may be zeroed or
-        rewritten before a flush could run)."""
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """``(hold, kv_transfer_params)``. hold True: vLLM keeps the request's
+        blocks until a later step's ``release`` (its stores read them; freed
+        blocks may be zeroed or rewritten before a flush could run). The params:
+        a producer's hand-off to the decode engine, where the request asked for
+        a remote decode (see :mod:`kvsdk.plugins.vllm.pd_params`)."""
         rid = request.request_id
         if self.requests.get(rid) is request:
             del self.requests[rid]  # the id may name a new request before the next step
@@ -333,13 +467,23 @@ class SchedulerSide:
             self._finishing[rid] = request
         tokens = self._finished_tokens[rid] = _computed_at_finish(request)
         self.core.hashes_grew(rid, request.block_hashes)
+        params = None
+        if self.role is not Role.BOTH:
+            self._pd.pop(rid, None)
+            if (
+                self.role is Role.PRODUCER
+                and wants_remote_decode(request.kv_transfer_params)
+                and self.core.has_request(rid)
+            ):
+                n, digest = self.core.handoff(rid, min(tokens, request.num_prompt_tokens))
+                params = Handoff(self.core.ns_fp.hex(), n, digest.hex()).params()
         # finished in the step that loaded it (a synchronous load, reported done
         # after this call): its stores come next step, from blocks held until then
         loading = self.sync_loads and self.core.is_loading(rid)
         if not self.core.request_finished(rid, tokens) and not loading:
-            return False
+            return False, params
         self._held.add(rid)
-        return True
+        return True, params
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         events = self.core.take_events()

@@ -47,17 +47,18 @@ def model_free_scheduler(
     max_num_batched_tokens: int,
     eagle: bool = False,
     native_bytes: int | None = None,
+    kv_role: str = "kv_both",
 ) -> Scheduler:
     """The scheduler for the model at ``model_dir`` (a config only), its KV in
     ``num_blocks`` blocks of one full-attention group (``eagle``: vLLM marks the
     group as holding an EAGLE/MTP drafter's layers), kvsdk configured by
     ``kvsdk_config``; with ``native_bytes``, vLLM's native
     ``OffloadingConnector`` instead (the CPU spec kvsdk ships for it, a host
-    tier of that many bytes)."""
+    tier of that many bytes). ``kv_role``: vLLM's (kvsdk's P/D roles)."""
     kvsdk.plugins.vllm.register()
     transfer = KVTransferConfig(
         kv_connector="KVSDKConnector",
-        kv_role="kv_both",
+        kv_role=kv_role,  # type: ignore[arg-type]
         engine_id=engine_id,
         kv_connector_extra_config={"config": kvsdk_config},
     )
