@@ -41,29 +41,38 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def kv_transfer_config(config: str | dict[str, Any]) -> str:
+def kv_transfer_config(config: str | dict[str, Any], kv_role: str = "kv_both") -> str:
     return json.dumps(
         {
             "kv_connector": "KVSDKConnector",
-            "kv_role": "kv_both",
+            "kv_role": kv_role,
             "kv_connector_extra_config": {"config": config},
         }
     )
 
 
-def server_args(model: Path, port: int, kvsdk_config: str | None) -> list[str]:
+def server_args(
+    model: Path, port: int, kvsdk_config: str | None, kv_role: str = "kv_both"
+) -> list[str]:
     args = [
         "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
         "--enable-prompt-tokens-details",
         "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager", "--seed", "0",
     ]  # fmt: skip
     if kvsdk_config is not None:
-        args += ["--kv-transfer-config", kv_transfer_config(kvsdk_config)]
+        args += ["--kv-transfer-config", kv_transfer_config(kvsdk_config, kv_role)]
     return args
 
 
 class Server:
-    def __init__(self, name: str, model: Path, log_dir: Path, kvsdk_config: str | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        model: Path,
+        log_dir: Path,
+        kvsdk_config: str | None,
+        kv_role: str = "kv_both",
+    ) -> None:
         self.name = name
         self.model = model
         self.port = free_port()
@@ -72,7 +81,7 @@ class Server:
             sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
-            *server_args(model, self.port, kvsdk_config),
+            *server_args(model, self.port, kvsdk_config, kv_role),
         ]
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(
