@@ -185,8 +185,10 @@ class SchedulerSide:
         )
         self._stores = self.role is not Role.CONSUMER
         self._pd_wait_s = layout.config.pd.wait_s
-        self._pd: dict[str, _HandoffWait | None] = {}
-        """P/D requests with a hand-off: waiting (its wait), or decided (None)."""
+        self._pd: dict[str, _HandoffWait | bool] = {}
+        """P/D requests with a hand-off: waiting (its wait), or settled: True
+        (looked up as usual from now on: loaded, or past its deadline), False
+        (refused: loads nothing)."""
         self._prompt_tail = layout.config.prompt_tail
         self.requests: dict[str, Request] = {}
         """Requests vLLM may schedule (a finished one leaves at its finish)."""
@@ -277,8 +279,9 @@ class SchedulerSide:
             hit = min(hit, request.num_tokens - 1 - num_computed_tokens)
         return hit, bool(hit) and not self.sync_loads
 
-    def _handoff_outcome(self, rid: str, outcome: str) -> None:
-        self._pd[rid] = None
+    def _handoff_outcome(self, rid: str, outcome: str, *, lookups: bool) -> None:
+        """Settle ``rid``'s hand-off (counted); ``lookups``: look it up as usual from now on."""
+        self._pd[rid] = lookups
         self.store.metrics.inc("kvsdk_pd_handoffs_total", outcome=outcome)
 
     def _handoff_matched(
@@ -295,24 +298,26 @@ class SchedulerSide:
             h = parse_handoff(request.kv_transfer_params)
             if isinstance(h, str):
                 log.warning("kvsdk: request %s: %s; not loading its hand-off", rid, h)
-                self._handoff_outcome(rid, "malformed")
+                self._handoff_outcome(rid, "malformed", lookups=False)
             elif h is not None:
-                self._pd[rid] = self._check_handoff(rid, request, h)
-        if rid not in self._pd:  # no hand-off
+                self._check_handoff(rid, request, h)
+        wait = self._pd.get(rid)
+        if wait is None:  # no hand-off
             if self.role is Role.PRODUCER:
                 return 0, False
             return self._matched(request, num_computed_tokens)
-        wait = self._pd[rid]
-        if wait is None:  # decided: refused, or past its deadline
+        if wait is False:  # refused
             return 0, False
+        if wait is True:  # settled (e.g. asked again after a preemption)
+            return self._matched(request, num_computed_tokens)
         if num_computed_tokens >= wait.handoff.tokens:
-            self._handoff_outcome(rid, "local")  # vLLM's own cache holds it
-            return 0, False
+            self._handoff_outcome(rid, "local", lookups=True)  # vLLM's own cache holds it
+            return self._matched(request, num_computed_tokens)
         hit, is_async = self._matched(request, num_computed_tokens)
         if hit is not None and num_computed_tokens + hit >= min(
             wait.handoff.tokens, request.num_tokens - 1
         ):
-            self._handoff_outcome(rid, "loaded")
+            self._handoff_outcome(rid, "loaded", lookups=True)
             return hit, is_async
         if time.monotonic() < wait.deadline:
             return None, False
@@ -323,11 +328,11 @@ class SchedulerSide:
             self._pd_wait_s,
             num_computed_tokens + (hit or 0),
         )
-        self._handoff_outcome(rid, "timeout")
+        self._handoff_outcome(rid, "timeout", lookups=True)
         return (hit or 0), is_async and bool(hit)
 
-    def _check_handoff(self, rid: str, request: Request, h: Handoff) -> _HandoffWait | None:
-        """The wait for ``h``, or None (counted) where it cannot be this prompt's."""
+    def _check_handoff(self, rid: str, request: Request, h: Handoff) -> None:
+        """Start the wait for ``h``, or refuse it (counted) where it cannot be this prompt's."""
         if h.namespace != self.core.ns_fp.hex():
             log.warning(
                 "kvsdk: request %s: its hand-off is keyed under namespace %s, this engine's "
@@ -336,8 +341,8 @@ class SchedulerSide:
                 h.namespace[:16],
                 self.core.ns_fp.hex()[:16],
             )
-            self._handoff_outcome(rid, "foreign")
-            return None
+            self._handoff_outcome(rid, "foreign", lookups=False)
+            return
         digest = (
             self.core.handoff_digest(rid, h.tokens)
             if h.tokens <= request.num_prompt_tokens
@@ -350,9 +355,9 @@ class SchedulerSide:
                 rid,
                 h.tokens,
             )
-            self._handoff_outcome(rid, "mismatch")
-            return None
-        return _HandoffWait(h, time.monotonic() + self._pd_wait_s)
+            self._handoff_outcome(rid, "mismatch", lookups=False)
+            return
+        self._pd[rid] = _HandoffWait(h, time.monotonic() + self._pd_wait_s)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -412,7 +417,11 @@ class SchedulerSide:
             # nothing to compute but tier I/O (lookups waiting on a promotion,
             # writes draining): sleep on it briefly rather than spin empty steps
             self.store.wait_io(IDLE_IO_WAIT_SECONDS)
-        elif not so.num_scheduled_tokens and self._pd and any(self._pd.values()):
+        elif (
+            not so.num_scheduled_tokens
+            and self._pd
+            and any(isinstance(w, _HandoffWait) for w in self._pd.values())
+        ):
             time.sleep(PD_POLL_SECONDS)  # decode requests wait for their prefill's chunks
         if not (jobs.loads or jobs.stores or finished):
             return KVSDKConnectorMetadata(flush=jobs.flush, sync_loads=self.sync_loads)

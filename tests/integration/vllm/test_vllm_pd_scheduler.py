@@ -461,3 +461,31 @@ def test_a_hand_off_for_another_prompt_is_refused(
     assert so.num_scheduled_tokens == {"r1": PROMPT}
     assert d.counter("kvsdk_pd_handoffs_total", outcome="mismatch") == 1
     d.run_until_idle()
+
+
+def test_a_decode_that_loaded_but_found_no_blocks_loads_when_asked_again(
+    model_dir: str, engines: list[Engine], tmp_path: Path
+) -> None:
+    """vLLM looks a waiting request up again each step until it can allocate
+    its blocks: a hand-off settled as loaded keeps loading, not recomputing."""
+    p = Engine(model_dir, "kv_producer", tmp_path)
+    d = Engine(model_dir, "kv_consumer", tmp_path, pd={"wait_s": 30})
+    engines += [p, d]
+    tokens = prompt(10)
+    params = prefill(p, "r1", tokens)
+    p.run_until_idle()
+    d.add("big", prompt(11, 58 * BLOCK), max_tokens=500)  # takes 58 of the 63 blocks
+    so = until_scheduled(d)
+    assert so.num_scheduled_tokens == {"big": 58 * BLOCK}
+    d.add("r1", tokens, max_tokens=2, params=params)
+    start = time.monotonic()
+    while not d.counter("kvsdk_pd_handoffs_total", outcome="loaded"):
+        assert time.monotonic() - start < 5
+        assert set(d.step().num_scheduled_tokens) == {"big"}
+    for _ in range(3):  # looked up (loaded), but its 7 blocks are not free
+        assert set(d.step().num_scheduled_tokens) == {"big"}
+    d.scheduler.finish_requests("big", RequestStatus.FINISHED_ABORTED)
+    so = until_scheduled(d)
+    assert so.num_scheduled_tokens == {"r1": 1}  # loaded, not recomputed
+    assert so.scheduled_new_reqs[0].num_computed_tokens == PROMPT - 1
+    d.run_until_idle()
