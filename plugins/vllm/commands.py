@@ -1,5 +1,5 @@
 """The vLLM adapter's ``kvsdk`` commands: ``demo``, ``bench serve``, ``bench faults``,
-``bench fleet``
+``bench fleet``, ``bench pd``
 and ``config check --engine vllm`` (with ``--model DIR``: the host tier against
 one chunk of that model, :mod:`kvsdk.plugins.vllm.model_geometry`).
 
@@ -175,6 +175,66 @@ def _bench_fleet(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_pd(args: argparse.Namespace) -> int:
+    if _vllm_missing("bench pd"):
+        return 2
+    from kvsdk.plugins.vllm.workloads import pd_bench, pd_report
+    from kvsdk.plugins.vllm.workloads.fleet_procs import router_binary
+    from kvsdk.plugins.vllm.workloads.pd_pair import PDSettings
+    from kvsdk.plugins.vllm.workloads.pd_workload import PDWorkload
+    from kvsdk.plugins.vllm.workloads.tiny_model import make_tiny_llama
+
+    if router_binary() is None:
+        print("kvsdk bench pd needs vllm-router (scripts/install_vllm_router.sh)", file=sys.stderr)
+        return 2
+    if min(args.prompt_tokens) < 1 or args.requests < 1 or args.max_tokens < 2:
+        print(
+            "kvsdk bench pd: --prompt-tokens and --requests must be at least 1, "
+            "--max-tokens at least 2 (an inter-token latency needs two tokens)",
+            file=sys.stderr,
+        )
+        return 2
+    w = PDWorkload(
+        prompt_tokens=tuple(args.prompt_tokens),
+        requests=args.requests,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
+    heads = max(1, args.hidden // 128)  # head_dim 128; two query heads per KV head
+    model_info = {"layers": args.layers, "hidden": args.hidden, "heads": heads,
+                  "kv_heads": max(1, heads // 2), "dtype": "float32"}  # fmt: skip
+    max_model_len = max(4096, -(-(w.max_prompt() + w.max_tokens) // 1024) * 1024)
+    model_dir = args.model_dir or f"out/models/pd-llama-{args.layers}x{args.hidden}"
+    model = str(
+        make_tiny_llama(
+            model_dir,
+            seed=0,
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=heads,
+            num_kv_heads=model_info["kv_heads"],
+            max_position_embeddings=max_model_len,
+            tokenizer=True,
+        )
+    )
+    settings = PDSettings(
+        tier=args.tier,
+        host_bytes=args.host_tier_mib << 20,
+        kv_cache_gib=args.kv_cache_gib,
+        redis_maxmemory=args.redis_maxmemory,
+        max_model_len=max_model_len,
+        pin=not args.no_pin,
+    )
+    out = Path(args.out)
+    result = pd_bench.run_bench(
+        model, out, w, settings, progress=not args.no_progress, model_info=model_info
+    )
+    print(pd_report.format_report(result))
+    print(f"\nJSON: {out}  plot: {out.with_suffix('.png')}  logs: {result['logs']}")
+    o = result["outputs"]
+    return 0 if o["equal"] == o["compared"] == w.total else 1
+
+
 def _check_model(path: Path, cfg: KVSDKConfig, model: ModelArgs) -> str:
     """One chunk of ``model`` as the adapter computes it at start; a host tier
     smaller than that is refused (the engine would refuse it)."""
@@ -312,3 +372,26 @@ def kvsdk_register_commands(commands: CommandRegistry) -> None:
     fleet.add_argument("--out", default="out/bench_fleet.json")
     fleet.add_argument("--model-dir", help="default: out/models/fleet-llama-LAYERSxHIDDEN")
     fleet.add_argument("--no-progress", action="store_true")
+
+    pd = commands.bench(
+        "pd",
+        help="one engine vs a prefill/decode pair behind vllm-router over kvsdk's shared tier"
+        + note,
+        run=_bench_pd,
+    )
+    pd.add_argument(
+        "--prompt-tokens", type=int, nargs="+", default=[1024, 2048, 4096], help="prompt lengths"
+    )
+    pd.add_argument("--requests", type=int, default=3, help="prompts per length")
+    pd.add_argument("--max-tokens", type=int, default=32, help="tokens streamed per request")
+    pd.add_argument("--tier", choices=("disk", "redis"), default="disk", help="the shared tier")
+    pd.add_argument("--seed", type=int, default=0)
+    pd.add_argument("--layers", type=int, default=8, help="of the local random Llama")
+    pd.add_argument("--hidden", type=int, default=1024, help="of the local random Llama")
+    pd.add_argument("--host-tier-mib", type=int, default=1024, help="kvsdk host tier per engine")
+    pd.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
+    pd.add_argument("--redis-maxmemory", default="4gb")
+    pd.add_argument("--no-pin", action="store_true", help="do not pin each engine to a core")
+    pd.add_argument("--out", default="out/bench_pd.json")
+    pd.add_argument("--model-dir", help="default: out/models/pd-llama-LAYERSxHIDDEN")
+    pd.add_argument("--no-progress", action="store_true")
