@@ -9,9 +9,10 @@ and returns once every node sees a healthy cluster of six and every replica
 has synced (a replica that never synced is not promoted).
 
 :class:`MasterKill` is the failover: once a share of a run's requests has
-finished it ``kill -9``s one master, reads every engine's metrics just
-before, then asks the master's replica for its role until it says
-``master`` and reads the metrics again. :meth:`MasterKill.result` gives the
+finished it ``kill -9``s one master at once (the next requests are sent after
+it), then, on a thread of its own, reads every engine's metrics, asks the
+master's replica for its role until it says ``master`` and reads the metrics
+again. :meth:`MasterKill.result` gives the
 times on the workload's clock and the engines' figures over each stretch
 (before the kill, kill to promotion, after the promotion).
 """
@@ -193,7 +194,9 @@ class MasterKill:
         self.after = after
         self.probe = probe
         self.timeout = timeout
-        self.victim = self.replica = 0
+        masters = cluster.masters()
+        self.victim = sorted(masters)[1 % len(masters)]
+        self.replica = masters[self.victim]
         self.after_requests = 0
         self.killed_at: float | None = None
         self.promoted_at: float | None = None
@@ -203,20 +206,19 @@ class MasterKill:
         self._thread: threading.Thread | None = None
 
     def request_done(self, finished: int, total: int) -> None:
-        """Called as each request finishes (in the workload's event loop: returns at once)."""
-        if self._thread is None and finished >= max(1, math.ceil(self.after * total)):
+        """Called as each request finishes (in the workload's event loop): the kill is
+        a signal and a wait for the process to end; the rest goes on a thread."""
+        if self.killed_at is None and finished >= max(1, math.ceil(self.after * total)):
             self.after_requests = finished
-            self._thread = threading.Thread(target=self._run, name="master-kill", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            masters = self.cluster.masters()
-            self.victim = sorted(masters)[1 % len(masters)]
-            self.replica = masters[self.victim]
-            self.at_kill = self.probe()
             self.killed_at = time.perf_counter()
             self.cluster.node(self.victim).proc.kill()
+            self._thread = threading.Thread(target=self._watch, name="master-kill", daemon=True)
+            self._thread.start()
+
+    def _watch(self) -> None:
+        assert self.killed_at is not None
+        try:
+            self.at_kill = self.probe()
             while time.perf_counter() - self.killed_at < self.timeout:
                 with contextlib.suppress(Exception):
                     if self.cluster.role(self.replica) == "master":
@@ -232,7 +234,9 @@ class MasterKill:
     ) -> dict[str, Any]:
         """Waits for the watch to end; times in seconds since ``t0`` (the workload's
         clock, as the records' ``sent_s``), the fleet's figures over each stretch
-        (``after_promotion`` None when the promotion came after the workload)."""
+        (``after_promotion`` None when the promotion came after the workload; the
+        metrics are read just after the kill, so ``before_kill`` holds what the
+        engines did in the few hundred ms that reading took too)."""
         if self._thread is not None:
             self._thread.join(self.timeout + 30)
         kill_s = None if self.killed_at is None else self.killed_at - t0
@@ -247,8 +251,8 @@ class MasterKill:
                 stretch(self.at_promotion, end) if in_run and self.at_promotion else None
             )
         return {
-            "killed_master": f"127.0.0.1:{self.victim}" if self.victim else None,
-            "promoted_replica": f"127.0.0.1:{self.replica}" if self.replica else None,
+            "killed_master": f"127.0.0.1:{self.victim}" if self.killed_at else None,
+            "promoted_replica": f"127.0.0.1:{self.replica}" if self.promoted_at else None,
             "kill_after_share": self.after,
             "kill_after_requests": self.after_requests,
             "kill_s": kill_s,

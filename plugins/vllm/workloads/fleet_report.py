@@ -47,7 +47,8 @@ def _reuse(run: dict[str, Any], recomputable: int) -> dict[str, Any]:
 def _failover(run: dict[str, Any]) -> dict[str, Any]:
     """A killed master's run: its record, and per stretch (before the kill, kill to
     promotion, after the promotion; by send time) the requests, their p50 TTFT,
-    the shared tier's hits (chunks) and loaded bytes, and kvsdk's backend errors."""
+    the tokens kvsdk loaded, the bytes read from the shared tier (chunks a lookup
+    found there, promoted to the host tier, then loaded) and kvsdk's backend errors."""
     f = run["failover"]
     kill = f["kill_s"] if f["kill_s"] is not None else float("inf")
     promoted = f["promoted_s"] if f["promoted_s"] is not None else float("inf")
@@ -60,8 +61,9 @@ def _failover(run: dict[str, Any]) -> dict[str, Any]:
         stretches[name] = {
             "requests": len(recs),
             "ttft_p50_ms": percentile([x["ttft_ms"] for x in recs], 0.5),
-            "shared_tier_hits": figures.get("kvsdk_lookup_hits", {}).get(SHARED_TIER),
-            "shared_tier_loaded_bytes": figures.get("kvsdk_loaded_bytes", {}).get(SHARED_TIER),
+            "shared_tier_read_bytes": figures.get("kvsdk_loaded_bytes", {}).get(SHARED_TIER, 0.0)
+            if figures
+            else None,
             "kvsdk_hit_tokens": figures.get("kvsdk_hit_tokens"),
             "backend_errors": figures.get("kvsdk_backend_errors"),
         }
@@ -258,6 +260,10 @@ def _ms(v: float | None) -> str:
     return "-" if v is None or v != v else f"{v:.0f}"
 
 
+def _mib(v: float | None) -> str:
+    return "-" if v is None else f"{v / (1 << 20):.0f}"
+
+
 def _failover_lines(r: dict[str, Any]) -> list[str]:
     lines = []
     for n in r["configs"]:
@@ -278,8 +284,9 @@ def _failover_lines(r: dict[str, Any]) -> list[str]:
                 f"{f['kill_s']:.1f} s (after {f['kill_after_requests']} of "
                 f"{r['workload']['requests_per_pass']} requests), {after}; before the kill / to "
                 f"the promotion / after it: requests {'/'.join(str(x['requests']) for x in st)}, "
-                f"p50 TTFT {'/'.join(_ms(x['ttft_p50_ms']) for x in st)} ms, shared-tier hits "
-                f"{'/'.join(_ms(x['shared_tier_hits']) for x in st)} chunks, backend errors "
+                f"p50 TTFT {'/'.join(_ms(x['ttft_p50_ms']) for x in st)} ms, kvsdk tokens "
+                f"{'/'.join(_ms(x['kvsdk_hit_tokens']) for x in st)}, read from the shared tier "
+                f"{'/'.join(_mib(x['shared_tier_read_bytes']) for x in st)} MiB, backend errors "
                 f"{'/'.join(_ms(x['backend_errors']) for x in st)}"
             )
     if any(r["results"][n]["failover_per_pass"] for n in r["configs"]) and r.get("failover_plot"):

@@ -7,6 +7,13 @@ turns the router sent to the other engine, the plot is written, and no
 engine, router or Redis outlives the command, nor one stopped by SIGTERM
 while it starts.
 
+Then the distributed tiers (3 users x 2 rounds): a real Mooncake Store (master
+and holder started by the bench) serving the moved turns, and a real Redis
+Cluster (3 masters + 3 replicas) whose master the bench ``kill -9``s after
+40 % of the requests: every output still equals ``none-rr``'s, the JSON
+records the kill, the promotion and the stretches around them, the
+TTFT-over-time plot is written, and no server outlives the command.
+
 vllm-router comes from ``scripts/install_vllm_router.sh`` (run here when it
 is missing); a failed install fails the test.
 """
@@ -21,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import mooncake.store  # noqa: F401  (missing: a failure; scripts/setup.sh installs it)
 import pytest
 import vllm  # noqa: F401  (missing: a failure, never a skip; scripts/setup.sh vllm)
 
@@ -54,10 +62,12 @@ def router() -> str:
     return str(exe)
 
 
-def _cmd(tmp_path: Path, out: Path) -> list[str]:
+def _cmd(
+    tmp_path: Path, out: Path, configs: tuple[str, ...] = CONFIGS, users: int = 3
+) -> list[str]:
     return [
         str(Path(sys.executable).with_name("kvsdk")), "bench", "fleet",
-        "--configs", ",".join(CONFIGS), "--users", "3", "--rounds", "2",
+        "--configs", ",".join(configs), "--users", str(users), "--rounds", "2",
         "--system-tokens", "300", "--user-tokens", "100", "--answer-tokens", "50",
         "--layers", "2", "--hidden", "256", "--passes", "1",
         "--model-dir", str(tmp_path / "model"), "--out", str(out), "--no-progress",
@@ -179,3 +189,64 @@ def test_bench_fleet_stops_everything_on_sigterm(router: str, tmp_path: Path) ->
     assert proc.returncode != 0 and not out.exists()
     assert (tmp_path / "fleet-logs" / "none-rr-engine0.log").exists()
     assert _wait_gone(set(family)) == [], family
+
+
+DISTRIBUTED = ("none-rr", "kvsdk-mooncake-rr", "kvsdk-redis_cluster_failover-rr")
+
+
+def test_bench_fleet_over_mooncake_and_a_redis_cluster_losing_a_master(
+    router: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "fleet.json"
+    seen: dict[str, str] = {}  # every process of the fleet seen while it ran
+    proc = subprocess.Popen(
+        _cmd(tmp_path, out, DISTRIBUTED), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    while proc.poll() is None:
+        seen.update(_family(str(tmp_path)))
+        time.sleep(0.5)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-4000:]
+    # every output equals none-rr's: Mooncake's hits and the misses of a dead shard alike
+    assert "outputs (greedy token ids) equal to none-rr's: 18/18" in stdout, stdout
+    names = " ".join(seen.values())
+    assert "mooncake_master" in names and "mooncake_client" in names
+    assert names.count("--cluster-enabled yes") == 6  # 3 masters + 3 replicas
+    assert _wait_gone(set(seen)) == []
+    r = json.loads(out.read_text())
+    assert r["outputs"]["mismatches"] == [] and r["outputs"]["compared"] == 18
+    runs = {run["config"]: run for run in r["runs"]}
+
+    # Mooncake: at least one second turn lands on the other engine (see the
+    # first test); what the engine did not hold itself, kvsdk loaded.
+    mc = r["results"]["kvsdk-mooncake-rr"]
+    assert mc["errors"] == 0 and mc["backend_errors"] == 0 and mc["engine_requests"] == [3, 3]
+    assert r["workload"]["recomputable_tokens_per_pass"] == 3 * 384
+    (reuse,) = mc["reuse_per_pass"]
+    assert reuse["local_hit_tokens"] + reuse["kvsdk_tokens"] == 3 * 384
+    assert reuse["kvsdk_tokens"] >= 384 and reuse["kvsdk_share"] == 1.0
+    # what kvsdk loaded came from Mooncake (tier 1), promoted to the host tier first
+    assert sum(e["kvsdk_loaded_bytes"].get("1", 0) for e in runs["kvsdk-mooncake-rr"]["engines"])
+
+    # The Redis Cluster: a master killed once 3 of the 6 requests (40 %, rounded up)
+    # had finished, before the second round was sent; its replica promoted.
+    fo = runs["kvsdk-redis_cluster_failover-rr"]["failover"]
+    assert fo["error"] is None and fo["kill_after_requests"] == 3
+    assert fo["killed_master"] and fo["promoted_replica"]
+    assert fo["killed_master"] != fo["promoted_replica"]
+    assert 0 < fo["kill_s"] < fo["workload_wall_s"]
+    assert fo["kill_s"] < fo["promoted_s"] and fo["promotion_after_kill_s"] < 30
+    records = runs["kvsdk-redis_cluster_failover-rr"]["records"]
+    assert all(rec["error"] is None and len(rec["tokens"]) == 16 for rec in records)
+    assert [rec["sent_s"] < fo["kill_s"] for rec in records] == [True] * 3 + [False] * 3
+    (row,) = r["results"]["kvsdk-redis_cluster_failover-rr"]["failover_per_pass"]
+    st = row["stretches"]
+    assert st["before_kill"]["requests"] == 3
+    assert st["kill_to_promotion"]["requests"] + st["after_promotion"]["requests"] == 3
+    (reuse,) = r["results"]["kvsdk-redis_cluster_failover-rr"]["reuse_per_pass"]
+    assert reuse["local_hit_tokens"] + reuse["kvsdk_tokens"] <= 3 * 384  # the dead shard misses
+    assert "failover kvsdk-redis_cluster_failover-rr pass 0: master 127.0.0.1:" in stdout
+    png = tmp_path / "fleet-failover.png"
+    assert r["failover_plot"] == str(png) and png.stat().st_size > 0
+    assert f"TTFT over time around each kill: {png}" in stdout
