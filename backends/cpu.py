@@ -16,6 +16,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from kvsdk import prefault
 from kvsdk.backend import Buffer, HostTier, TierContext
 from kvsdk.config import BYTES
 from kvsdk.eviction import EvictionPolicy, LRUPolicy
@@ -77,7 +78,11 @@ class CPUBackend(HostTier):
         self._prefault: Prefault | None = None
         if self._shared is None and options.prefault and not pin:  # pinning commits them
             self._prefault = Prefault(
-                self._slab.data_ptr(), self._slab.nbytes, self._slab, "cpu tier"
+                self._slab.data_ptr(),
+                self._slab.nbytes,
+                self._slab,
+                "cpu tier",
+                start=prefault.START_BYTES,
             )
         self._np = self._slab.numpy()
         self._free: list[int] = list(range(n - 1, -1, -1))

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from kvsdk import prefault as _prefault
 from kvsdk.prefault import Prefault
 
 SHM_DIR = Path("/dev/shm")
@@ -156,13 +157,17 @@ class SharedSlab:
         self.prefaulting: Prefault | None = None
         """The walk committing this mapping's pages (:mod:`kvsdk.prefault`), if any."""
 
-    def prefault(self) -> None:
-        """Commit the slab's pages in this process on a background thread, ahead of
-        the stores (:meth:`stores_reached`), so no store pays a page fault (the
-        creator allocates them, each worker maps them)."""
+    def prefault(self, *, inline: bool = False, start: int = 0) -> None:
+        """Commit the slab's pages in this process so no store pays a page fault
+        (the creator allocates them, each worker maps them): the first ``start``
+        bytes now, the rest on a background thread ahead of the stores
+        (:meth:`stores_reached`), or with ``inline`` on the storing thread just
+        before the stores (a process with no CPU to spare)."""
         if self.prefaulting is None:
             addr = self.tensor.data_ptr() - HEADER_BYTES  # the mapping's start: page-aligned
-            self.prefaulting = Prefault(addr, self.geometry.nbytes, self._mmap, self.name)
+            self.prefaulting = Prefault(
+                addr, self.geometry.nbytes, self._mmap, self.name, inline=inline, start=start
+            )
 
     @property
     def walking(self) -> bool:
@@ -225,11 +230,18 @@ class SharedSlab:
             raise
         slab = cls(name, path, mm, geometry, owner=True, fd=fd)
         if prefault:
-            slab.prefault()
+            slab.prefault(start=_prefault.START_BYTES)
         return slab
 
     @classmethod
-    def attach(cls, name: str, *, shm_dir: Path = SHM_DIR, prefault: bool = False) -> SharedSlab:
+    def attach(
+        cls,
+        name: str,
+        *,
+        shm_dir: Path = SHM_DIR,
+        prefault: bool = False,
+        prefault_inline: bool = False,
+    ) -> SharedSlab:
         path = shm_dir / name
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
@@ -256,7 +268,7 @@ class SharedSlab:
             os.close(fd)
         slab = cls(name, path, mm, geometry, owner=False)
         if prefault:
-            slab.prefault()
+            slab.prefault(inline=prefault_inline, start=_prefault.START_BYTES)
         return slab
 
     def region(self, index: int) -> torch.Tensor:

@@ -237,6 +237,13 @@ def _usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def no_cpu_to_spare() -> bool:
+    """Whether torch's thread team already spans every CPU this process may run
+    on (a vLLM-CPU worker bound to its cores): a helper thread's work then comes
+    out of the forward pass's time."""
+    return torch.get_num_threads() >= _usable_cpus()
+
+
 class CPUTransferWorker(TransferWorker):
     name = "cpu"
 
@@ -248,7 +255,7 @@ class CPUTransferWorker(TransferWorker):
         TP worker bound to one CPU is the same case), else on the copy thread."""
         self.sync_loads = sync_loads
         if sync_stores is None:
-            sync_stores = torch.get_num_threads() >= _usable_cpus()
+            sync_stores = no_cpu_to_spare()
         self.sync_stores = sync_stores
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsdk-xfer")
         self._futures: dict[int, Future[TransferResult]] = {}

@@ -18,6 +18,7 @@ from kvsdk.plugins.vllm.messages import (
 )
 from kvsdk.slab import SharedSlab, SlabError
 from kvsdk.transfer import Direction, GroupLayers, TransferJob, TransferWorker
+from kvsdk.transfer.cpu import no_cpu_to_spare
 
 if TYPE_CHECKING:
     pass
@@ -84,7 +85,9 @@ class WorkerSide:
         if self._slab is None:
             host = self.layout.config.tiers[0].options if self.layout.config.tiers else None
             slab = SharedSlab.attach(
-                self.layout.slab_name, prefault=bool(getattr(host, "prefault", True))
+                self.layout.slab_name,
+                prefault=bool(getattr(host, "prefault", True)),
+                prefault_inline=no_cpu_to_spare(),
             )
             if slab.geometry.num_regions != self.layout.ranks.num_regions:
                 raise SlabError(

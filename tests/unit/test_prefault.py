@@ -165,6 +165,7 @@ def test_the_cpu_tier_walks_ahead_of_the_slots_it_hands_out(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(kvsdk.prefault, "AHEAD_BYTES", MiB)
+    monkeypatch.setattr(kvsdk.prefault, "START_BYTES", 0)  # the walk alone
     tier = shared_cpu_tier()  # 64 slots of 256 KiB
     shared = tier._shared
     assert shared is not None and shared.prefaulting is not None
@@ -181,3 +182,65 @@ def test_the_cpu_tier_walks_ahead_of_the_slots_it_hands_out(
     finally:
         tier.close()
         shared.unlink()
+
+
+@pytest.mark.skipif(not kernel_has_populate_write(), reason="kernel before 5.14")
+def test_a_tier_commits_its_first_bytes_before_it_serves_and_walks_the_rest_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kvsdk.prefault, "AHEAD_BYTES", MiB)
+    monkeypatch.setattr(kvsdk.prefault, "START_BYTES", 6 * MiB)
+    tier = shared_cpu_tier()  # 64 slots of 256 KiB: 16 MiB
+    shared = tier._shared
+    assert shared is not None and shared.prefaulting is not None
+    try:
+        # committed when the constructor returned, not by the thread later
+        assert 6 * MiB <= allocated_bytes(shared) < 8 * MiB
+        assert shared.prefaulting.committed_bytes >= 6 * MiB
+        keys = [ChunkKey(bytes([i]) * 16) for i in range(48)]
+        assert tier.reserve(keys) is not None  # slots up to 47: 12 MiB, the walk goes on
+        walk = shared.prefaulting
+        assert wait_for(lambda: walk.committed_bytes >= 13 * MiB)  # a MiB ahead of them
+        assert 13 * MiB <= allocated_bytes(shared) < 14 * MiB + HEADER_BYTES
+    finally:
+        tier.close()
+        shared.unlink()
+
+
+@pytest.mark.skipif(not kernel_has_populate_write(), reason="kernel before 5.14")
+def test_an_inline_walk_commits_just_what_the_stores_reach_on_their_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker with no CPU to spare: no thread, nothing ahead of the stores."""
+    monkeypatch.setattr(kvsdk.prefault, "START_BYTES", 0)
+    geometry = SlabGeometry(num_slots=64, region_bytes=MiB, num_regions=1)  # 64 MiB
+    name = segment_name(f"test-prefault-{uuid.uuid4()}")
+    slab = SharedSlab.create(name, geometry)
+    try:
+        worker = SharedSlab.attach(name, prefault=True, prefault_inline=True)
+        walk = worker.prefaulting
+        assert walk is not None and walk.thread is None and walk.inline
+        assert allocated_bytes(slab) < MiB
+        worker.stores_reached(8)  # slots 0-7 about to be written: committed now
+        assert 8 * MiB <= walk.committed_bytes < 9 * MiB
+        assert 8 * MiB <= allocated_bytes(slab) < 9 * MiB + HEADER_BYTES
+        worker.stores_reached(4)  # behind: nothing to do
+        assert walk.committed_bytes < 9 * MiB
+        worker.stores_reached(geometry.num_slots)
+        assert walk.done and allocated_bytes(slab) >= geometry.nbytes
+    finally:
+        slab.unlink()
+
+
+def test_the_worker_walks_inline_exactly_when_torch_threads_fill_its_cpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvsdk.transfer import cpu
+
+    monkeypatch.setattr(cpu, "_usable_cpus", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert cpu.no_cpu_to_spare()
+    assert cpu.CPUTransferWorker().sync_stores
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert not cpu.no_cpu_to_spare()
+    assert not cpu.CPUTransferWorker().sync_stores
