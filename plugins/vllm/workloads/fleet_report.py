@@ -187,17 +187,22 @@ def summarize(
     }
 
 
+def _name_width(names: list[str]) -> int:
+    return max(24, *(len(n) + 2 for n in names))
+
+
 def format_report(r: dict[str, Any]) -> str:
     names = r["configs"]
+    w = _name_width(names)
     head = (
-        f"{'config':<24}{'p50 ms':>9}{'p90 ms':>9}{'req/s':>8}{'local hit':>10}"
+        f"{'config':<{w}}{'p50 ms':>9}{'p90 ms':>9}{'req/s':>8}{'local hit':>10}"
         f"{'kvsdk tok':>11}{'wait ms/req':>12}{'backend err':>12}{'req err':>8}"
     )
     lines = [head]
     for n in names:
         x = r["results"][n]
         lines.append(
-            f"{n:<24}{x['ttft_p50_ms']:>9.0f}{x['ttft_p90_ms']:>9.0f}{x['req_per_s']:>8.3f}"
+            f"{n:<{w}}{x['ttft_p50_ms']:>9.0f}{x['ttft_p90_ms']:>9.0f}{x['req_per_s']:>8.3f}"
             f"{x['local_prefix_hit_share']:>10.2f}{x['kvsdk_loaded_tokens_per_pass']:>11.0f}"
             f"{x['lookup_wait_ms_per_request']:>12.1f}{x['backend_errors']:>12.0f}"
             f"{x['errors']:>8}"
@@ -211,7 +216,7 @@ def format_report(r: dict[str, Any]) -> str:
             if n != base:
                 q = rows[n]
                 each = "/".join(f"{x:.2f}" for x in q["ttft_p50_per_pass"])
-                lines.append(f"  {n:<24}{q['ttft_p50']:>7.3f}x ({each})  {q['throughput']:>7.3f}x")
+                lines.append(f"  {n:<{w}}{q['ttft_p50']:>7.3f}x ({each})  {q['throughput']:>7.3f}x")
     lines += _reuse_lines(r)
     lines += _failover_lines(r)
     o = r["outputs"]
@@ -241,6 +246,7 @@ def _shares(values: list[float | None]) -> str:
 
 
 def _reuse_lines(r: dict[str, Any]) -> list[str]:
+    w = _name_width(r["configs"])
     lines = [
         f"recomputable prefix: {r['workload']['recomputable_tokens_per_pass']} tokens per pass "
         f"(whole {VLLM_CPU_BLOCK_SIZE}-token blocks of each prompt an earlier turn of its user "
@@ -252,7 +258,7 @@ def _reuse_lines(r: dict[str, Any]) -> list[str]:
         kvsdk = (
             "" if n.startswith("none-") else f"kvsdk {_shares([x['kvsdk_share'] for x in reuse])}  "
         )
-        lines.append(f"  {n:<24}{kvsdk}fleet {_shares([x['fleet_share'] for x in reuse])}")
+        lines.append(f"  {n:<{w}}{kvsdk}fleet {_shares([x['fleet_share'] for x in reuse])}")
     return lines
 
 
@@ -261,7 +267,7 @@ def _ms(v: float | None) -> str:
 
 
 def _mib(v: float | None) -> str:
-    return "-" if v is None else f"{v / (1 << 20):.0f}"
+    return "-" if v is None else f"{v / (1 << 20):.1f}"
 
 
 def _failover_lines(r: dict[str, Any]) -> list[str]:
