@@ -55,6 +55,8 @@ METRIC_PREFIXES = (
     "vllm:external_prefix_cache",
     "vllm:request_success",
     "vllm:inter_token_latency_seconds",
+    "vllm:time_to_first_token_seconds",
+    "vllm:e2e_request_latency_seconds",
     "vllm:kvsdk_",
 )
 
@@ -63,22 +65,38 @@ def scrape(engine: Engine) -> dict[str, float]:
     return parse(httpx.get(f"{engine.url}/metrics", timeout=30).text, METRIC_PREFIXES)
 
 
-def engine_figures(d: dict[str, float]) -> dict[str, float]:
+def handoffs(d: dict[str, float]) -> dict[str, float]:
+    """kvsdk's P/D hand-offs by outcome (``loaded``, ``timeout``, ``foreign``, ...)."""
+    out: dict[str, float] = {}
+    for key, v in d.items():
+        if key.startswith("vllm:kvsdk_pd_handoffs_total{") and "outcome=" in key:
+            outcome = key.split("outcome=", 1)[1].split('"', 1)[0].split(",", 1)[0]
+            out[outcome] = out.get(outcome, 0.0) + v
+    return out
+
+
+def _mean_ms(d: dict[str, float], histogram: str) -> float:
+    return 1e3 * total(d, histogram + "_sum") / max(1.0, total(d, histogram + "_count"))
+
+
+def engine_figures(d: dict[str, float]) -> dict[str, Any]:
     """What one engine did over a span, from its metrics' difference ``d``
     (tokens; vLLM's own counters, and kvsdk's through vLLM's stats path)."""
     return {
         "requests": total(d, "vllm:request_success_total"),
         "prompt_tokens": total(d, "vllm:prompt_tokens_total"),
         "computed_tokens": total(d, "vllm:request_prefill_kv_computed_tokens_sum"),
-        "itl_engine_mean_ms": 1e3
-        * total(d, "vllm:inter_token_latency_seconds_sum")
-        / max(1.0, total(d, "vllm:inter_token_latency_seconds_count")),
+        "cached_tokens": total(d, "vllm:prompt_tokens_cached_total"),
+        "itl_engine_mean_ms": _mean_ms(d, "vllm:inter_token_latency_seconds"),
+        "ttft_engine_mean_ms": _mean_ms(d, "vllm:time_to_first_token_seconds"),
+        "e2e_engine_mean_ms": _mean_ms(d, "vllm:e2e_request_latency_seconds"),
         "local_hit_tokens": total(d, "vllm:prefix_cache_hits_total"),
         "external_hit_tokens": total(d, "vllm:external_prefix_cache_hits_total"),
         "kvsdk_hit_tokens": total(d, "vllm:kvsdk_hit_tokens_total"),
         "kvsdk_stored_bytes": total(d, "vllm:kvsdk_stored_bytes_total"),
         "kvsdk_corrupt_chunks": total(d, "vllm:kvsdk_corrupt_chunks_total"),
         "kvsdk_backend_errors": total(d, "vllm:kvsdk_backend_errors_total"),
+        "kvsdk_pd_handoffs": handoffs(d),
     }
 
 

@@ -19,6 +19,7 @@ def _timing(records: list[dict[str, Any]]) -> dict[str, Any]:
         "requests": len(records),
         "errors": sum(r["error"] is not None for r in records),
         "ttft_p50_ms": percentile([r["ttft_ms"] for r in ok], 0.5),
+        "ttft_mean_ms": sum(r["ttft_ms"] for r in ok) / len(ok) if ok else float("nan"),
         "itl_p50_ms": percentile([x for r in ok for x in r["itl_ms"]], 0.5),
         "cached_tokens": [r["cached_tokens"] for r in records],
     }
@@ -109,15 +110,24 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [head]
     for n, x in r["lengths"].items():
         s, p = x["single"], x["pd"]
-        cached = sum(c or 0 for c in p["cached_tokens"])
+        cached = p["decode"]["cached_tokens"]
         lines.append(
             f"{n:>7}{s['ttft_p50_ms']:>11.0f}{p['ttft_p50_ms']:>10.0f}{x['ttft_ratio']:>7.2f}"
             f"{s['itl_p50_ms']:>10.1f}{p['itl_p50_ms']:>9.1f}{x['itl_ratio']:>7.2f}"
             f"{s['engine']['itl_engine_mean_ms']:>6.1f}/{p['decode']['itl_engine_mean_ms']:<5.1f}"
             f"{s['engine']['computed_tokens']:>12.0f}{p['prefill']['computed_tokens']:>12.0f}"
-            f"{p['decode']['computed_tokens']:>12.0f}{cached:>10}"
+            f"{p['decode']['computed_tokens']:>12.0f}{cached:>10.0f}"
             f"{x['outputs_equal']:>5}/{x['compared']}"
         )
+    lines.append(
+        "P/D TTFT at the client = prefill engine (request in to response out) + decode "
+        "engine (request in to first token) + the rest (router, HTTP), means in ms:"
+    )
+    for n, x in r["lengths"].items():
+        p = x["pd"]
+        pre, dec = p["prefill"]["e2e_engine_mean_ms"], p["decode"]["ttft_engine_mean_ms"]
+        client = p["ttft_mean_ms"]
+        lines.append(f"  {n:>6}: {client:.0f} = {pre:.0f} + {dec:.0f} + {client - pre - dec:.0f}")
     o = r["outputs"]
     lines.append(
         f"P/D outputs equal to the single engine's (greedy token ids; logprobs bit for bit "
@@ -137,7 +147,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"{w['requests']} prompts per length, one at a time, {w['max_tokens']} tokens streamed; "
         f"TTFT and ITL (inter-token latency) p50 at the client, 'eng 1/D' the mean ITL "
         f"vLLM measured in the single and the decode engine; computed/cached in tokens "
-        f"over each length (D cached: the decode responses' cached_tokens); "
+        f"over each length, from each engine's counters (D cached: vllm:prompt_tokens_cached); "
         f"P/D: vllm-router's P/D mode, shared {s['tier']} tier; host tier "
         f"{s['host_bytes'] >> 20} MiB per engine; {r['cpus']} CPUs; model {r['model']}"
     )

@@ -10,7 +10,11 @@ same prompts go to either deployment, through the same OpenAI endpoint
 A record holds the time to the first token and the gaps between the
 following token-bearing chunks (per token), the greedy token ids and their
 logprobs, and ``usage.prompt_tokens_details.cached_tokens`` (the tokens the
-answering engine did not compute: with P/D the decode engine's).
+answering engine did not compute) as the response says it, None where it
+leaves it out. vllm-router's P/D mode answers with the decode engine's
+response but does not pass its ``prompt_tokens_details`` on (0 or nothing
+arrives), so ``kvsdk bench pd`` takes what each engine computed and loaded
+from the engines' counters.
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ def _take_chunk(rec: dict[str, Any], chunk: dict[str, Any], now: float, start: f
     usage = chunk.get("usage")
     if usage:
         rec["usage_prompt_tokens"] = usage.get("prompt_tokens")
-        rec["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        rec["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
 
 
 def send(client: httpx.Client, model: str, prompt: Prompt, max_tokens: int) -> dict[str, Any]:

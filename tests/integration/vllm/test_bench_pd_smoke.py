@@ -8,7 +8,8 @@ Checked: the JSON's shape (every record, every engine's figures per
 length), every P/D output equal to the single engine's (greedy token ids;
 logprobs bit for bit against the single engine's run with the prompt loaded
 from kvsdk as the decode engine loads it), the decode engine computed only
-what vLLM must recompute and loaded the rest from kvsdk's shared tier, the
+what vLLM must recompute and loaded the rest from kvsdk's shared tier
+through kvsdk's P/D hand-off (its ``cached_tokens`` counter says so), the
 plot written, and no process outlives the command; a second run, over a
 Redis tier, stopped by SIGTERM while its P/D pair starts, leaves none either.
 
@@ -37,9 +38,10 @@ REQUESTS = 2
 MAX_TOKENS = 8
 RECORD = {"length", "index", "ttft_ms", "itl_ms", "latency_ms", "tokens", "logprobs",
           "cached_tokens", "usage_prompt_tokens", "error"}  # fmt: skip
-FIGURES = {"requests", "prompt_tokens", "computed_tokens", "itl_engine_mean_ms",
+FIGURES = {"requests", "prompt_tokens", "computed_tokens", "cached_tokens", "itl_engine_mean_ms",
+           "ttft_engine_mean_ms", "e2e_engine_mean_ms",
            "local_hit_tokens", "external_hit_tokens", "kvsdk_hit_tokens", "kvsdk_stored_bytes",
-           "kvsdk_corrupt_chunks", "kvsdk_backend_errors"}  # fmt: skip
+           "kvsdk_corrupt_chunks", "kvsdk_backend_errors", "kvsdk_pd_handoffs"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +159,13 @@ def test_bench_pd_outputs_equal_single_engine(router: str, tmp_path: Path) -> No
     assert decode["computed_tokens"] == REQUESTS
     assert decode["external_hit_tokens"] == decode["kvsdk_hit_tokens"] == REQUESTS * (PROMPT - 1)
     assert decode["local_hit_tokens"] == 0 and decode["kvsdk_stored_bytes"] == 0
+    # ... through kvsdk's P/D hand-off (the prefill response's kv_transfer_params,
+    # passed on by the router): the decode engine's cached tokens. The router
+    # does not pass the decode response's prompt_tokens_details on, so they
+    # come from vLLM's counter (vllm:prompt_tokens_cached).
+    assert decode["kvsdk_pd_handoffs"] == {"loaded": REQUESTS}, decode["kvsdk_pd_handoffs"]
+    assert decode["cached_tokens"] == REQUESTS * (PROMPT - 1)
+    assert single["cached_tokens"] == prefill["cached_tokens"] == 0
 
     o = r["outputs"]
     assert o["compared"] == o["tokens_equal"] == o["equal"] == REQUESTS
