@@ -4,7 +4,7 @@ under load.
 :func:`start_redis_cluster` starts three masters and a replica each (six
 ``redis-server`` processes, persistence off, ``cluster-require-full-coverage
 no`` so the other shards keep serving while one fails over, ``maxmemory``
-split over the masters, LRU), joins them with ``redis-cli --cluster create``
+split over the masters, LRU, replicas that always fail over), joins them with ``redis-cli --cluster create``
 and returns once every node sees a healthy cluster of six and every replica
 has synced (a replica that never synced is not promoted).
 
@@ -35,6 +35,14 @@ from kvsdk.plugins.vllm.workloads.fleet_procs import Proc, free_port, start_redi
 
 NODE_TIMEOUT_MS = 2000
 """``cluster-node-timeout``: a master silent this long is failed over (~3-5 s here)."""
+REPLICA_ARGS = [
+    "--cluster-replica-validity-factor", "0",
+    "--client-output-buffer-limit", "replica 0 0 0",
+]  # fmt: skip
+"""A replica fails over however long its link was down, and a master never drops a
+replica that fell behind on 4 MiB writes (a busy machine): either would leave the
+shard without a promotion. A key names its tokens and model, so a replica that lags
+holds that key's KV or lacks it (a miss), never another key's."""
 Probe = Callable[[], list[dict[str, float]]]
 """Every engine's metrics now (``fleet_metrics.scrape`` of each)."""
 
@@ -147,7 +155,7 @@ def start_redis_cluster(
             node_dir.mkdir(parents=True, exist_ok=True)
             extra = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                      "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
-                     "--cluster-require-full-coverage", "no"]  # fmt: skip
+                     "--cluster-require-full-coverage", "no", *REPLICA_ARGS]  # fmt: skip
             proc, _ = start_redis(node_dir, per_node, policy, name=f"redis-cluster-node{i}",
                                   port=port, extra=extra)  # fmt: skip
             nodes.append(ClusterNode(proc, port))
