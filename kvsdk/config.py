@@ -255,6 +255,14 @@ class KVSDKConfig:
     not wait at all. Tiers with a local index (Redis) answer a chunk they
     surely lack without asking their server. ``0``: never wait: every lookup
     that misses host RAM defers its request a step."""
+    promotion_wait_ms: float = 250.0
+    """At most this long in one step, all requests together, the scheduler waits
+    for chunks a request can hit in a slower tier to reach host RAM (their
+    promotion), and never longer than the engine's recent steps took: a request
+    whose promotion is not done is deferred a step, which costs it about a
+    step, so waiting up to a step is never the worse choice for it; on a CPU
+    engine the promotion takes its CPU from the step anyway. Past it the
+    request asks again at the next step. ``0``: never wait."""
     store_backoff: StoreBackoffConfig = field(default_factory=StoreBackoffConfig)
     """Back-pressure from the slower tiers: pause stores to a tier that keeps refusing them."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -535,6 +543,10 @@ def _check(
     if not 0 <= cfg.lookup_wait_ms <= 1000:
         raise ConfigError(
             f"lookup_wait_ms: got {cfg.lookup_wait_ms}; expected milliseconds from 0 to 1000"
+        )
+    if not 0 <= cfg.promotion_wait_ms <= 10000:
+        raise ConfigError(
+            f"promotion_wait_ms: got {cfg.promotion_wait_ms}; expected milliseconds from 0 to 10000"
         )
 
 

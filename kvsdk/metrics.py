@@ -31,6 +31,7 @@ COUNTERS = {
     "kvsdk_lookup_deferred_total": "Chunk lookups answered HIT_PENDING or RETRY",
     "kvsdk_lookup_index_misses_total": "Chunk lookups a slower tier's local index answered MISS",
     "kvsdk_lookup_waits_total": "Waits for slower tiers' lookups within a step, by outcome",
+    "kvsdk_promotion_waits_total": "Waits within a step for promotions a request can hit",
     "kvsdk_hit_tokens_total": "Tokens loaded from kvsdk (the part of each hit the engine took)",
     "kvsdk_pd_handoffs_total": "P/D hand-offs decode requests carried, by outcome",
     "kvsdk_stored_bytes_total": "Bytes stored, by tier",

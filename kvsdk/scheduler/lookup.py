@@ -57,6 +57,11 @@ class Lookups:
                 hit = self._plan(req_id, r, max_num_new_tokens, being_loaded)
             finally:
                 self.store.end_settled()
+        if hit is None and self.store.settle_promotions():
+            try:  # its chunks reached host RAM within the step's wait: ask again
+                hit = self._plan(req_id, r, max_num_new_tokens, being_loaded)
+            finally:
+                self.store.end_settled()
         now = time.perf_counter()
         self._sync_delays.append(now - start)
         if hit is None:

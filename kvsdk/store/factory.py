@@ -121,6 +121,7 @@ def build_store(
         tail_share=config.prompt_tail_share,
         io_threads=config.io_threads,
         lookup_wait_s=config.lookup_wait_ms / 1000,
+        promotion_wait_s=config.promotion_wait_ms / 1000,
         store_backoff=config.store_backoff,
     )
 

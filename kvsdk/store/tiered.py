@@ -19,6 +19,11 @@ Primitives, in the order an adapter calls them:
                              now and wait for them, up to what is left of the
                              step's ``lookup_wait_s``; True if they answered (a
                              second lookup then says MISS or HIT_PENDING)
+- ``settle_promotions()``   after a lookup answered HIT_PENDING: wait for the
+                             promotions in flight, up to what is left of the
+                             step's ``promotion_wait_s`` and never longer than
+                             the engine's recent steps; True if they all landed
+                             (a second lookup then says HIT, or MISS)
 - ``step()``                once per scheduler step: send batched lookups to
                              slower tiers, apply finished I/O, publish events
 - ``reset()``               this instance's view is dropped (host tier,
@@ -131,6 +136,8 @@ class TieredStore:
     """A slow-tier miss is remembered this long (another instance may store it later)."""
     QUERY_S_WEIGHT = 0.25
     """Weight of the latest query's duration in the moving average of them."""
+    STEP_S_WEIGHT = 0.1
+    """Weight of the latest step's duration in the moving average of them."""
     MAX_WRITES_IN_FLIGHT = 256
     """Write-through batches in flight; beyond it new write-throughs are dropped (counted)."""
 
@@ -147,6 +154,7 @@ class TieredStore:
         tenant_quotas: Mapping[str, float] | Sequence[tuple[str, float]] | None = None,
         tail_share: float = 1.0,
         lookup_wait_s: float = 0.005,
+        promotion_wait_s: float = 0.0,
         store_backoff: StoreBackoffConfig | None = None,
     ) -> None:
         """``store_backoff``: when to stop offering stores to a slower tier that
@@ -168,6 +176,12 @@ class TieredStore:
         self.lookup_wait_s = lookup_wait_s
         """Time the scheduler thread may wait per step for slower tiers to answer lookups."""
         self._wait_left = lookup_wait_s
+        self.promotion_wait_s = promotion_wait_s
+        """Time the scheduler thread may wait per step for promotions to land."""
+        self._promotion_wait_left = 0.0
+        self._step_s = 0.0
+        """Moving average of the time between two steps (the engine's step)."""
+        self._last_step: float | None = None
         self._query_s = 0.0
         """Moving average of how long the slower tiers take to answer a query."""
         self._query_account: dict[ChunkKey, str] = {}
@@ -189,6 +203,7 @@ class TieredStore:
         self._lower_capacity: dict[int, int] = {}
         self._hits = self._misses = self._deferred = 0  # flushed to metrics by step()
         self._index_misses = self._settled = self._unsettled = 0
+        self._waited_promotions = 0
         self._settled_now = False
         """A request's lookups are asked again after ``settle_queries``: not counted
         twice for ``min_lookups``."""
@@ -483,10 +498,36 @@ class TieredStore:
         self.host.touch(keys)
 
     # -- slow tiers -----------------------------------------------------------------------
+    def settle_promotions(self) -> bool:
+        """Wait for the promotions in flight, up to what is left of this step's
+        ``promotion_wait_s`` and at most the engine's average step (a deferred
+        request loses about a step: waiting longer than that is the worse
+        choice); then book what finished. True if every promotion landed."""
+        budget = min(self._promotion_wait_left, self._step_s)
+        if budget <= 0 or self._shut_down:
+            return False
+        pending = [io.future for io in self._io if io.kind is IOKind.PROMOTE]
+        if not pending:
+            return False
+        start = time.perf_counter()
+        _, not_done = wait(pending, timeout=budget)
+        self._promotion_wait_left -= time.perf_counter() - start
+        if not_done:
+            self._promotion_wait_left = 0.0
+        self._reap()
+        self._waited_promotions += 1
+        self._settled_now = True  # the lookups asked again are not counted twice
+        return not not_done
+
     def step(self) -> None:
         """Once per scheduler step: apply finished I/O, then send this step's lookups."""
+        now = time.perf_counter()
+        if self._last_step is not None:
+            self._step_s += self.STEP_S_WEIGHT * (now - self._last_step - self._step_s)
+        self._last_step = now
         self.flush_metrics()
         self._wait_left = self.lookup_wait_s
+        self._promotion_wait_left = self.promotion_wait_s
         if self.lower:
             self._reap()
             if self._to_query:
@@ -510,8 +551,11 @@ class TieredStore:
             self.metrics.inc("kvsdk_lookup_waits_total", self._settled, outcome="answered")
         if self._unsettled:
             self.metrics.inc("kvsdk_lookup_waits_total", self._unsettled, outcome="timed_out")
+        if self._waited_promotions:
+            self.metrics.inc("kvsdk_promotion_waits_total", self._waited_promotions)
         self._hits = self._misses = self._deferred = 0
         self._index_misses = self._settled = self._unsettled = 0
+        self._waited_promotions = 0
 
     def _charge_lower(self, t: int, tenant: str, keys: list[ChunkKey]) -> None:
         """A tenant over its share of slower tier ``t`` loses its own oldest chunks there

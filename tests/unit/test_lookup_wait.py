@@ -70,12 +70,16 @@ def lookup_until_answered(s: OffloadScheduler, rid: str) -> tuple[int, int]:
 
 
 def disk_scheduler(path: Path, **config: Any) -> OffloadScheduler:
+    """Over a disk tier; the wait is 200 ms unless ``config`` says otherwise (the
+    default 5 ms is ample for an ``lstat``, not for one on a machine busy with
+    other tests: the tests are about what happens within the wait)."""
     cfg = load_config(
         {
             "tiers": [
                 {"backend": "cpu", "capacity": 16 * CHUNK_BYTES},
                 {"backend": "disk", "path": str(path), "capacity": "1MiB"},
             ],
+            "lookup_wait_ms": 200,
             **config,
         }
     )

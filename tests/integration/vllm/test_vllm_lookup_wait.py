@@ -218,6 +218,56 @@ def test_a_prompt_vllms_own_cache_holds_is_never_deferred(
     assert new.num_computed_tokens == PROMPT_TOKENS // BLOCK * BLOCK  # vLLM's own hit
 
 
+def steps_until_loaded(e: Engine, rid: str) -> int:
+    """Steps ``rid`` sat out before it was scheduled with a load (never computed
+    instead of loaded)."""
+    for deferred in range(400):
+        so = e.step()
+        meta = so.kv_connector_metadata
+        assert isinstance(meta, KVSDKConnectorMetadata)
+        loads = [job for r, job in meta.loads.values() if r == rid]
+        if loads:
+            (load,) = loads
+            assert sum(len(c.engine_blocks) for c in load.copies) == 4 * CHUNK // BLOCK
+            return deferred
+        assert rid not in so.num_scheduled_tokens
+    raise AssertionError(f"{rid} was never loaded")
+
+
+@pytest.mark.parametrize("promotion_wait_ms", [250, 0])
+def test_a_hit_promoted_within_a_step_loads_in_its_first_step(
+    model_dir: str, tmp_path: Path, engines: list[Engine], promotion_wait_ms: int
+) -> None:
+    """An engine whose steps take 100 ms (a one-core CPU engine's prefill steps
+    take seconds): a request whose chunks another engine left in the shared
+    tier waits within its first step for their promotion (a few ms) and loads
+    there, instead of sitting out a whole step. With ``promotion_wait_ms: 0``
+    it sits out at least one: what the test would catch."""
+    e = Engine(
+        model_dir,
+        [HOST, {"backend": "disk", "path": str(tmp_path)}],
+        promotion_wait_ms=promotion_wait_ms,
+        lookup_wait_ms=200,  # the disk answers at once when the machine is not busy
+    )
+    engines.append(e)
+    for _ in range(15):  # the engine's recent steps: 100 ms each
+        e.step()
+        time.sleep(0.1)
+    writer = Engine(model_dir, [HOST, {"backend": "disk", "path": str(tmp_path)}])
+    engines.append(writer)
+    writer.add("w", prompt(5))
+    writer.step()
+    assert writer.write_to_shared_tier("w") == 4
+    e.add("hit", prompt(5))
+    start = time.perf_counter()
+    deferred = steps_until_loaded(e, "hit")
+    if promotion_wait_ms:
+        assert deferred == 0
+        assert time.perf_counter() - start < 0.1 * 1.5  # never longer than a step
+    else:
+        assert deferred >= 1
+
+
 @pytest.fixture
 def redis_url(tmp_path: Path) -> Iterator[str]:
     if REDIS_SERVER is None:
