@@ -48,7 +48,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -136,8 +136,8 @@ class TieredStore:
     """A slow-tier miss is remembered this long (another instance may store it later)."""
     QUERY_S_WEIGHT = 0.25
     """Weight of the latest query's duration in the moving average of them."""
-    STEP_S_WEIGHT = 0.1
-    """Weight of the latest step's duration in the moving average of them."""
+    STEPS_KEPT = 15
+    """Steps whose duration the promotion wait's bound is the median of."""
     MAX_WRITES_IN_FLIGHT = 256
     """Write-through batches in flight; beyond it new write-throughs are dropped (counted)."""
 
@@ -179,8 +179,9 @@ class TieredStore:
         self.promotion_wait_s = promotion_wait_s
         """Time the scheduler thread may wait per step for promotions to land."""
         self._promotion_wait_left = 0.0
-        self._step_s = 0.0
-        """Moving average of the time between two steps (the engine's step)."""
+        self._steps_s: deque[float] = deque(maxlen=self.STEPS_KEPT)
+        """The latest times between two steps (the engine's steps; their median
+        is not moved by the one after an idle spell)."""
         self._last_step: float | None = None
         self._query_s = 0.0
         """Moving average of how long the slower tiers take to answer a query."""
@@ -500,12 +501,12 @@ class TieredStore:
     # -- slow tiers -----------------------------------------------------------------------
     def settle_promotions(self) -> bool:
         """Wait for the promotions in flight, up to what is left of this step's
-        ``promotion_wait_s`` and at most the engine's average step (a deferred
+        ``promotion_wait_s`` and at most the engine's median step (a deferred
         request loses about a step: waiting longer than that is the worse
         choice); then book what finished. True if every promotion landed."""
-        budget = min(self._promotion_wait_left, self._step_s)
-        if budget <= 0 or self._shut_down:
+        if self._promotion_wait_left <= 0 or not self._steps_s or self._shut_down:
             return False
+        budget = min(self._promotion_wait_left, sorted(self._steps_s)[len(self._steps_s) // 2])
         pending = [io.future for io in self._io if io.kind is IOKind.PROMOTE]
         if not pending:
             return False
@@ -523,7 +524,7 @@ class TieredStore:
         """Once per scheduler step: apply finished I/O, then send this step's lookups."""
         now = time.perf_counter()
         if self._last_step is not None:
-            self._step_s += self.STEP_S_WEIGHT * (now - self._last_step - self._step_s)
+            self._steps_s.append(now - self._last_step)
         self._last_step = now
         self.flush_metrics()
         self._wait_left = self.lookup_wait_s

@@ -159,7 +159,10 @@ class SlowDict(Backend):
         time.sleep(self.delay_s)
         return [k in self.data for k in keys]
 
+    get_delay_s = 0.0
+
     def get(self, keys: Sequence[ChunkKey]) -> list[Buffer | None]:
+        time.sleep(self.get_delay_s)
         return [self.data.get(k) for k in keys]
 
     def put(self, items: Sequence[tuple[ChunkKey, Buffer]]) -> list[bool]:
@@ -221,3 +224,33 @@ def test_a_slow_tier_with_a_local_index_answers_a_miss_at_once_and_still_loads_a
     add(reader, "r", PROMPT)
     hit, steps = lookup_until_answered(reader, "r")
     assert hit == len(PROMPT) and steps >= 1  # found, promoted, then loaded
+
+
+def test_the_wait_for_a_promotion_is_bounded_by_the_engines_median_step() -> None:
+    """A promotion that takes 1 s: the lookup waits about the engine's median
+    step (20 ms), not the 250 ms cap, although one step, after an idle spell,
+    took 2 s; then the request is deferred and loads once it has landed."""
+    tier = SlowDict(delay_s=0.0, indexed=True)
+    tier.get_delay_s = 1.0
+    ctx = TierContext(namespace_fp=bytes(16), namespace_hex="00" * 16, chunk_bytes=CHUNK_BYTES)
+    host = CPUBackend(CPUOptions(capacity=16 * CHUNK_BYTES, pin_memory="never"), ctx)
+    store = TieredStore(host, [tier], io_threads=2, lookup_wait_s=0.2, promotion_wait_s=0.25)
+    s = OffloadScheduler(GROUPS, NS, store)
+    try:
+        add(s, "w", PROMPT)  # the keys of the prompt, written to the slow tier
+        assert s.lookup("w", 0) == 0  # (its keys derived; the tier's miss kept 1 s)
+        (keys,) = s._requests["w"].keys
+        for k in keys:
+            tier.data[k] = bytes(CHUNK_BYTES)
+        for pause in [0.02] * 7 + [2.0] + [0.02] * 7:
+            s.build_step(computed_after_step={})
+            time.sleep(pause)
+        s.build_step(computed_after_step={})
+        add(s, "r", PROMPT)
+        start = time.perf_counter()
+        assert s.lookup("r", 0) is None
+        assert time.perf_counter() - start < 0.15
+        hit, _ = lookup_until_answered(s, "r")
+        assert hit == len(PROMPT)
+    finally:
+        store.shutdown()
