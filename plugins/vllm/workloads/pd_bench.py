@@ -183,6 +183,7 @@ def run_bench(
                 phases["pd"] = run_phase(
                     pair.url, [pair.prefill, pair.decode], model, w, lambda: bar.update(1)
                 )
+                pair.router.check_alive()
     finally:
         bar.close()
     result = summarize(phases, w, s, model_info or {}, start_s)
