@@ -35,11 +35,14 @@ class CPUOptions:
     pin_memory: Literal["auto", "always", "never"] = "auto"
     """``auto`` pins when CUDA is available; ``always`` / ``never``."""
     prefault: bool = True
-    """Commit the slab's memory ahead of the stores (Linux ``MADV_POPULATE_WRITE``),
-    on a background thread in every engine worker that attaches, and in this
-    process when it copies slot data too (tiers behind it): a store into a page
-    never touched pays a page fault, measured several times the copy itself.
-    ``false``: pages are committed as stores first reach them."""
+    """Commit the slab's memory before the stores need it (Linux
+    ``MADV_POPULATE_WRITE``): its first GiB when the engine starts, the rest
+    ahead of the stores, in every engine worker that attaches and in this
+    process when it copies slot data too (tiers behind it). A store into a
+    page never touched pays a page fault, measured several times the copy
+    itself. A worker whose torch threads fill its CPUs commits the rest just
+    before its stores, on their thread. ``false``: pages are committed as
+    stores first reach them."""
 
 
 class CPUBackend(HostTier):
