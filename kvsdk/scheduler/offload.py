@@ -238,6 +238,17 @@ class OffloadScheduler:
             r.hit_resets = self._resets
         return hit
 
+    def expect(self, req_id: ReqId) -> None:
+        """``req_id``'s chunks are on their way into a slower tier (a P/D hand-off
+        names them): a miss a slower tier answered for them is not kept, so the
+        next lookup asks again at once instead of after the miss's lifetime."""
+        r = self._requests[req_id]
+        self._keys.refresh(r)
+        for keys in r.keys:
+            self.store.forget_absent(keys)
+        if r.tail is not None:
+            self.store.forget_absent(r.tail.keys)
+
     # -- loads ----------------------------------------------------------------------------
     def allocated(
         self, req_id: ReqId, block_ids: Sequence[Sequence[int]], num_external_tokens: int

@@ -301,6 +301,15 @@ class TieredStore:
             return LookupResult.RETRY
         return LookupResult.HIT_PENDING
 
+    def forget_absent(self, keys: Sequence[ChunkKey]) -> None:
+        """Drop the slower tiers' remembered misses of ``keys`` (they are expected
+        there soon): their next lookup asks the tiers again."""
+        remote = self._remote
+        for key in keys:
+            r = remote.get(key)
+            if r is not None and r.state is RemoteState.ABSENT:
+                del remote[key]
+
     def lookup_run(
         self, keys: Sequence[ChunkKey], start: int, stop: int, tenant: str = ""
     ) -> tuple[int, int]:

@@ -313,6 +313,7 @@ class SchedulerSide:
         if num_computed_tokens >= wait.handoff.tokens:
             self._handoff_outcome(rid, "local", lookups=True)  # vLLM's own cache holds it
             return self._matched(request, num_computed_tokens)
+        self.core.expect(rid)  # its chunks may land any moment: no remembered miss
         hit, is_async = self._matched(request, num_computed_tokens)
         if hit is not None and num_computed_tokens + hit >= min(
             wait.handoff.tokens, request.num_tokens - 1

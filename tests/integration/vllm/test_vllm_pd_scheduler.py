@@ -395,7 +395,12 @@ def test_a_decode_waits_unscheduled_until_the_chunks_land_then_loads(
     assert d.scheduler.requests["r1"].status is RequestStatus.WAITING
     p.xfer.release()
     p.run_until_idle()  # the prefill's stores land in the shared tier
-    so = until_scheduled(d)
+    # within a few steps: not after the lifetime (1 s, a few hundred steps here) of
+    # the miss the tier answered before they landed
+    steps = 1
+    while not (so := d.step()).num_scheduled_tokens and steps < 1000:
+        steps += 1
+    assert steps <= 10
     assert so.num_scheduled_tokens == {"r1": 1}
     assert so.scheduled_new_reqs[0].num_computed_tokens == PROMPT - 1
     d.run_until_idle()
