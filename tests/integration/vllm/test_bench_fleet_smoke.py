@@ -21,7 +21,6 @@ is missing); a failed install fails the test.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -32,9 +31,12 @@ import mooncake.store  # noqa: F401  (missing: a failure; scripts/setup.sh insta
 import pytest
 import vllm  # noqa: F401  (missing: a failure, never a skip; scripts/setup.sh vllm)
 
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench_cli import family, wait_gone
+
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = ("none-rr", "kvsdk-redis-rr")
 ROW = {
     "requests", "errors", "ttft_p50_ms", "ttft_p90_ms", "req_per_s", "local_prefix_hit_share",
@@ -43,23 +45,6 @@ ROW = {
 }  # fmt: skip
 RECORD = {"user", "round", "order", "prompt_tokens", "ttft_ms", "latency_ms", "cached_tokens",
           "tokens", "error", "sent_s"}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def router() -> str:
-    exe = Path(sys.executable).with_name("vllm-router")
-    if not exe.exists():
-        venv = Path(sys.executable).parent.parent
-        res = subprocess.run(
-            [str(ROOT / "scripts/install_vllm_router.sh")],
-            env={**os.environ, "VENV": str(venv)},
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        if res.returncode != 0 or not exe.exists():
-            pytest.fail(f"vllm-router cannot be installed: {(res.stderr or res.stdout)[-500:]}")
-    return str(exe)
 
 
 def _cmd(
@@ -74,38 +59,6 @@ def _cmd(
     ]  # fmt: skip
 
 
-def _procs() -> dict[str, tuple[str, str]]:
-    """Live processes (zombies left out): pid -> (parent pid, command line)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if stat[0] != "Z":
-            found[entry.name] = (stat[1], cmdline)
-    return found
-
-
-def _family(marker: str) -> dict[str, str]:
-    """Processes whose command line holds ``marker`` (the test's tmp path), and
-    their children (vLLM's EngineCore and worker name themselves ``VLLM::...``)."""
-    procs = _procs()
-    mine = {pid: cmd for pid, (_, cmd) in procs.items() if marker in cmd}
-    mine.update({pid: cmd for pid, (ppid, cmd) in procs.items() if ppid in mine})
-    return mine
-
-
-def _wait_gone(pids: set[str], grace: float = 20.0) -> list[str]:
-    deadline = time.monotonic() + grace
-    while (left := sorted(pids & set(_procs()))) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return left
-
-
 def test_bench_fleet_runs_both_configurations(router: str, tmp_path: Path) -> None:
     out = tmp_path / "fleet.json"
     seen: set[str] = set()  # every process of the fleet seen while it ran
@@ -114,14 +67,14 @@ def test_bench_fleet_runs_both_configurations(router: str, tmp_path: Path) -> No
         cwd=tmp_path,
     )  # fmt: skip
     while proc.poll() is None:
-        seen |= set(_family(str(tmp_path)))
+        seen |= set(family(str(tmp_path)))
         time.sleep(0.5)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-4000:]
     assert "vs none-rr: p50 TTFT ratio" in stdout, stdout[-3000:]
     assert "outputs (greedy token ids) equal to none-rr's: 12/12" in stdout, stdout
     assert len(seen) >= 9  # 2 x (API server, EngineCore, worker), router, Redis, the bench
-    assert _wait_gone(seen) == []
+    assert wait_gone(seen) == []
     r = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
     assert r["configs"] == list(CONFIGS) and r["passes"] == 1
@@ -173,13 +126,13 @@ def test_bench_fleet_stops_everything_on_sigterm(router: str, tmp_path: Path) ->
     )
     try:
         deadline = time.monotonic() + 120
-        family: dict[str, str] = {}
+        started: dict[str, str] = {}
         want = ("redis-server", "vllm.entrypoints.openai.api_server", "VLLM::EngineCore")
-        while not all(name in " ".join(family.values()) for name in want):  # engines starting
+        while not all(name in " ".join(started.values()) for name in want):  # engines starting
             assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, family
+            assert time.monotonic() < deadline, started
             time.sleep(0.2)
-            family = _family(str(tmp_path))
+            started = family(str(tmp_path))
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
     finally:
@@ -188,7 +141,7 @@ def test_bench_fleet_stops_everything_on_sigterm(router: str, tmp_path: Path) ->
             proc.wait(120)
     assert proc.returncode != 0 and not out.exists()
     assert (tmp_path / "fleet-logs" / "none-rr-engine0.log").exists()
-    assert _wait_gone(set(family)) == [], family
+    assert wait_gone(set(started)) == [], started
 
 
 DISTRIBUTED = ("none-rr", "kvsdk-mooncake-rr", "kvsdk-redis_cluster_failover-rr")
@@ -204,7 +157,7 @@ def test_bench_fleet_over_mooncake_and_a_redis_cluster_losing_a_master(
         stderr=subprocess.PIPE, text=True, cwd=tmp_path,
     )  # fmt: skip
     while proc.poll() is None:
-        seen.update(_family(str(tmp_path)))
+        seen.update(family(str(tmp_path)))
         time.sleep(0.5)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-4000:]
@@ -213,7 +166,7 @@ def test_bench_fleet_over_mooncake_and_a_redis_cluster_losing_a_master(
     names = " ".join(seen.values())
     assert "mooncake_master" in names and "mooncake_client" in names
     assert names.count("--cluster-enabled yes") == 6  # 3 masters + 3 replicas
-    assert _wait_gone(set(seen)) == []
+    assert wait_gone(set(seen)) == []
     r = json.loads(out.read_text())
     assert r["outputs"]["mismatches"] == [] and r["outputs"]["compared"] == 18
     runs = {run["config"]: run for run in r["runs"]}

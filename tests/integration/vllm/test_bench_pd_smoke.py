@@ -20,7 +20,6 @@ is missing); a failed install fails the test.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -30,9 +29,12 @@ from pathlib import Path
 import pytest
 import vllm  # noqa: F401  (missing: a failure, never a skip; scripts/setup.sh vllm)
 
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench_cli import family, wait_gone
+
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[3]
 PROMPT = 512
 REQUESTS = 2
 MAX_TOKENS = 8
@@ -42,23 +44,6 @@ FIGURES = {"requests", "prompt_tokens", "computed_tokens", "cached_tokens", "itl
            "ttft_engine_mean_ms", "e2e_engine_mean_ms",
            "local_hit_tokens", "external_hit_tokens", "kvsdk_hit_tokens", "kvsdk_stored_bytes",
            "kvsdk_corrupt_chunks", "kvsdk_backend_errors", "kvsdk_pd_handoffs"}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def router() -> str:
-    exe = Path(sys.executable).with_name("vllm-router")
-    if not exe.exists():
-        venv = Path(sys.executable).parent.parent
-        res = subprocess.run(
-            [str(ROOT / "scripts/install_vllm_router.sh")],
-            env={**os.environ, "VENV": str(venv)},
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        if res.returncode != 0 or not exe.exists():
-            pytest.fail(f"vllm-router cannot be installed: {(res.stderr or res.stdout)[-500:]}")
-    return str(exe)
 
 
 def _cmd(tmp_path: Path, out: Path, *extra: str) -> list[str]:
@@ -71,38 +56,6 @@ def _cmd(tmp_path: Path, out: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _procs() -> dict[str, tuple[str, str]]:
-    """Live processes (zombies left out): pid -> (parent pid, command line)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if stat[0] != "Z":
-            found[entry.name] = (stat[1], cmdline)
-    return found
-
-
-def _family(marker: str) -> dict[str, str]:
-    """Processes whose command line holds ``marker`` (the test's tmp path), and
-    their children (vLLM's EngineCore and worker name themselves ``VLLM::...``)."""
-    procs = _procs()
-    mine = {pid: cmd for pid, (_, cmd) in procs.items() if marker in cmd}
-    mine.update({pid: cmd for pid, (ppid, cmd) in procs.items() if ppid in mine})
-    return mine
-
-
-def _wait_gone(pids: set[str], grace: float = 20.0) -> list[str]:
-    deadline = time.monotonic() + grace
-    while (left := sorted(pids & set(_procs()))) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return left
-
-
 def test_bench_pd_outputs_equal_single_engine(router: str, tmp_path: Path) -> None:
     out = tmp_path / "pd.json"
     seen: dict[str, str] = {}  # every process of the run seen while it ran
@@ -111,7 +64,7 @@ def test_bench_pd_outputs_equal_single_engine(router: str, tmp_path: Path) -> No
         cwd=tmp_path,
     )  # fmt: skip
     while proc.poll() is None:
-        seen |= _family(str(tmp_path))
+        seen |= family(str(tmp_path))
         time.sleep(0.5)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, (stdout[-3000:], stderr[-4000:])
@@ -119,7 +72,7 @@ def test_bench_pd_outputs_equal_single_engine(router: str, tmp_path: Path) -> No
     assert f": {REQUESTS}/{REQUESTS} (token ids alone: {REQUESTS}/{REQUESTS}" in stdout, stdout
     assert "vllm::router" in " ".join(seen.values())  # the router names itself so
     assert "Creating VllmPDRouter" in (tmp_path / "pd-logs" / "router.log").read_text()
-    assert _wait_gone(set(seen)) == []
+    assert wait_gone(set(seen)) == []
     assert out.with_suffix(".png").stat().st_size > 0
 
     r = json.loads(out.read_text())
@@ -182,13 +135,13 @@ def test_bench_pd_stops_everything_on_sigterm(router: str, tmp_path: Path) -> No
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 300
-        family: dict[str, str] = {}
+        started: dict[str, str] = {}
         want = ("redis-server", "kv_producer", "kv_consumer", "VLLM::EngineCore")
-        while not all(name in " ".join(family.values()) for name in want):  # the pair starting
+        while not all(name in " ".join(started.values()) for name in want):  # the pair starting
             assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, family
+            assert time.monotonic() < deadline, started
             time.sleep(0.2)
-            family = _family(str(tmp_path))
+            started = family(str(tmp_path))
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
     finally:
@@ -197,4 +150,4 @@ def test_bench_pd_stops_everything_on_sigterm(router: str, tmp_path: Path) -> No
             proc.wait(120)
     assert proc.returncode != 0 and not out.exists()
     assert (tmp_path / "pd-logs" / "decode.log").exists()
-    assert _wait_gone(set(family)) == [], family
+    assert wait_gone(set(started)) == [], started
