@@ -348,8 +348,9 @@ def kvsdk_register_commands(commands: CommandRegistry) -> None:
     )
     fleet.add_argument(
         "--configs",
-        help="comma-separated: none-POLICY or kvsdk-TIER-POLICY (tiers: redis, disk, host; "
-        "policies: rr, cache_aware, kv_aware); none-rr always runs (the baseline). Default: none-rr, "
+        help="comma-separated: none-POLICY or kvsdk-TIER-POLICY (tiers: redis, disk, host, "
+        "mooncake, redis_cluster, redis_cluster_failover; policies: rr, cache_aware, kv_aware); "
+        "none-rr always runs (the baseline). Default: none-rr, "
         "none-cache_aware, kvsdk-redis-rr, kvsdk-redis-cache_aware, kvsdk-disk-rr",
     )
     fleet.add_argument("--users", type=int, default=8)
