@@ -1,13 +1,15 @@
 """Smoke run of ``kvsdk bench fleet`` as a user runs it (the CLI): two real
 vLLM-CPU servers behind a real ``vllm-router``, without a connector and with
 kvsdk over a shared Redis, scaled down (a 2-layer model, 3 users x 2 rounds,
-one pass). Checked: the JSON holds every request's figures and every
+one pass). One run of the command serves every test of the module (its
+configurations: no connector, Redis, Mooncake, a Redis Cluster losing a
+master). Checked: the JSON holds every request's figures and every
 configuration's row, every output equals ``none-rr``'s, kvsdk served the
 turns the router sent to the other engine, the plot is written, and no
 engine, router or Redis outlives the command, nor one stopped by SIGTERM
 while it starts.
 
-Then the distributed tiers (3 users x 2 rounds): a real Mooncake Store (master
+Then the distributed tiers: a real Mooncake Store (master
 and holder started by the bench) serving the moved turns, and a real Redis
 Cluster (3 masters + 3 replicas) whose master the bench ``kill -9``s after
 40 % of the requests: every output still equals ``none-rr``'s, the JSON
@@ -25,7 +27,9 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mooncake.store  # noqa: F401  (missing: a failure; scripts/setup.sh installs it)
 import pytest
@@ -59,25 +63,44 @@ def _cmd(
     ]  # fmt: skip
 
 
-def test_bench_fleet_runs_both_configurations(router: str, tmp_path: Path) -> None:
+DISTRIBUTED = ("kvsdk-mooncake-rr", "kvsdk-redis_cluster_failover-rr")
+
+
+@dataclass
+class FleetRun:
+    stdout: str
+    result: dict[str, Any]
+    seen: dict[str, str]
+    """Every process of the fleet seen while it ran (pid: command line)."""
+    tmp: Path
+
+
+@pytest.fixture(scope="module")
+def fleet(router: str, tmp_path_factory: pytest.TempPathFactory) -> FleetRun:
+    """One ``kvsdk bench fleet`` run of :data:`CONFIGS` and :data:`DISTRIBUTED`."""
+    tmp_path = tmp_path_factory.mktemp("fleet")
     out = tmp_path / "fleet.json"
-    seen: set[str] = set()  # every process of the fleet seen while it ran
+    seen: dict[str, str] = {}
     proc = subprocess.Popen(
-        _cmd(tmp_path, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        cwd=tmp_path,
+        _cmd(tmp_path, out, CONFIGS + DISTRIBUTED), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=tmp_path,
     )  # fmt: skip
     while proc.poll() is None:
-        seen |= set(family(str(tmp_path)))
+        seen.update(family(str(tmp_path)))
         time.sleep(0.5)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-4000:]
+    assert wait_gone(set(seen)) == []
+    return FleetRun(stdout, json.loads((tmp_path / "fleet.json").read_text()), seen, tmp_path)
+
+
+def test_bench_fleet_runs_both_configurations(fleet: FleetRun) -> None:
+    stdout, r, seen, out = fleet.stdout, fleet.result, fleet.seen, fleet.tmp / "fleet.json"
     assert "vs none-rr: p50 TTFT ratio" in stdout, stdout[-3000:]
-    assert "outputs (greedy token ids) equal to none-rr's: 12/12" in stdout, stdout
+    assert "outputs (greedy token ids) equal to none-rr's: 24/24" in stdout, stdout
     assert len(seen) >= 9  # 2 x (API server, EngineCore, worker), router, Redis, the bench
-    assert wait_gone(seen) == []
-    r = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
-    assert r["configs"] == list(CONFIGS) and r["passes"] == 1
+    assert r["configs"] == list(CONFIGS + DISTRIBUTED) and r["passes"] == 1
     assert r["workload"]["users"] == 3 and r["workload"]["rounds"] == 2
     for name in CONFIGS:
         row = r["results"][name]
@@ -112,9 +135,9 @@ def test_bench_fleet_runs_both_configurations(router: str, tmp_path: Path) -> No
     assert sum(hist["counts"]) == hist["count"] > 0 and hist["sum_s"] > 0
     assert r["ratios"]["none-rr"]["kvsdk-redis-rr"]["throughput"] > 0
     assert r["outputs"] == {
-        "matched": 12,
-        "compared": 12,
-        "per_config": {c: {"matched": 6, "compared": 6} for c in CONFIGS},
+        "matched": 24,
+        "compared": 24,
+        "per_config": {c: {"matched": 6, "compared": 6} for c in CONFIGS + DISTRIBUTED},
         "mismatches": [],
     }
 
@@ -144,31 +167,13 @@ def test_bench_fleet_stops_everything_on_sigterm(router: str, tmp_path: Path) ->
     assert wait_gone(set(started)) == [], started
 
 
-DISTRIBUTED = ("none-rr", "kvsdk-mooncake-rr", "kvsdk-redis_cluster_failover-rr")
-
-
-def test_bench_fleet_over_mooncake_and_a_redis_cluster_losing_a_master(
-    router: str, tmp_path: Path
-) -> None:
-    out = tmp_path / "fleet.json"
-    seen: dict[str, str] = {}  # every process of the fleet seen while it ran
-    proc = subprocess.Popen(
-        _cmd(tmp_path, out, DISTRIBUTED), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-    )  # fmt: skip
-    while proc.poll() is None:
-        seen.update(family(str(tmp_path)))
-        time.sleep(0.5)
-    stdout, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 0, stderr[-4000:]
+def test_bench_fleet_over_mooncake_and_a_redis_cluster_losing_a_master(fleet: FleetRun) -> None:
+    stdout, r, seen, tmp_path = fleet.stdout, fleet.result, fleet.seen, fleet.tmp
     # every output equals none-rr's: Mooncake's hits and the misses of a dead shard alike
-    assert "outputs (greedy token ids) equal to none-rr's: 18/18" in stdout, stdout
     names = " ".join(seen.values())
     assert "mooncake_master" in names and "mooncake_client" in names
     assert names.count("--cluster-enabled yes") == 6  # 3 masters + 3 replicas
-    assert wait_gone(set(seen)) == []
-    r = json.loads(out.read_text())
-    assert r["outputs"]["mismatches"] == [] and r["outputs"]["compared"] == 18
+    assert r["outputs"]["mismatches"] == [] and r["outputs"]["compared"] == 24
     runs = {run["config"]: run for run in r["runs"]}
 
     # Mooncake: at least one second turn lands on the other engine (see the
