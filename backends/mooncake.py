@@ -23,17 +23,18 @@ see each other's entries; each value is a :mod:`kvsdk.chunk_format` frame.
   waited for (at most ``timeout``) before ``put`` says True. A full
   store refuses puts (``-200``): False, counted in ``write_refusals`` /
   ``refused_bytes`` (not an error: it evicts in the background).
-- ``get`` / ``get_into`` / ``get_into_parts`` are one call each: the keys'
-  sizes from the master (``batch_get_replica_desc``), then each frame read
-  whole, one slice per object (``batch_get_into``), into a buffer of the
-  tier's own (reused staging buffers for ``get_into``; a new one for ``get``,
-  whose payloads it returns). A frame is verified there, and its payload
-  copied into the caller's buffers a piece at a time while in cache
-  (:mod:`kvsdk.backends.mooncake_reads` says why not straight into them). A
-  stored frame of another size than the caller's buffer is checked all the
-  same: a good one is a miss for that buffer (kept), a bad one is corrupt. A
-  value larger than a frame of ``chunk_bytes`` is not read but removed
-  (``oversized``).
+- ``get_into`` / ``get_into_parts`` read each frame straight into place
+  (``batch_get_into_multi_buffers``: the header into the tier's own buffer,
+  the payload into the caller's) and verify it there; such a read is waited
+  for, never abandoned (:mod:`kvsdk.backends.mooncake_reads`). ``get``
+  (whose payloads it returns) and a key read into a buffer of another size
+  take the keys' sizes from the master (``batch_get_replica_desc``), then
+  read each frame whole (``batch_get_into``) into a buffer of the tier's
+  own, verify it there and copy the payload on a piece at a time while in
+  cache. A stored frame of another size than the caller's buffer is checked
+  all the same: a good one is a miss for that buffer (kept), a bad one is
+  corrupt. A value larger than a frame of ``chunk_bytes`` is not read but
+  removed (``oversized``).
 - A value that fails verification is a miss: counted (``corrupt``) and
   removed (forced: a read holds a lease of ~10 s on the object that refuses
   plain removal); ``UnverifiableChunk`` is counted and kept.
@@ -57,17 +58,17 @@ that is down when the tier starts costs a refused connection, not a setup.
 ``etcd://`` masters there is no port to probe.)
 
 Every call runs on a call thread within its deadline (``timeout`` plus its
-bytes at 64 MiB/s); the caller never waits longer. Reads land in the tier's
-own buffers, so a read abandoned at its deadline never writes into memory the
-caller has reused. A ``put`` abandoned past its deadline may still read the
-caller's buffer later; a frame built from changed bytes fails verification
-when read (a miss, removed).
+bytes at 64 MiB/s); the caller waits no longer, except for a read into its
+own buffers (``get_into``), which opens the breaker at the deadline and is
+then waited for, so that it never writes into memory the caller has reused.
+A ``put`` abandoned past its deadline may still read the caller's buffer
+later; a frame built from changed bytes fails verification when read (a
+miss, removed).
 
 Zero-copy registration: ``register_buffer`` is not used, and the transport is
 TCP only. Over TCP Mooncake reads and writes unregistered memory (measured:
-no faster registered). RDMA would need every buffer registered: the tier's
-staging buffers could be, but writes go from the caller's memory, and the
-host slab the tiered store reads into and writes from is never handed to a
+no faster registered). RDMA would need every buffer registered: reads and
+writes go from and to the caller's memory, and the host slab the tiered store reads into and writes from is never handed to a
 slower tier (``TierContext.slab`` is for the host tier only), so it cannot be
 registered once up front; registering each caller buffer per call costs more
 than it saves.

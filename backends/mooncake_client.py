@@ -197,10 +197,16 @@ class Connection:
         except Exception as exc:  # a failed setup of any kind is an outage
             raise Outage(f"setup failed: {type(exc).__name__}: {exc}") from None
 
-    def call(self, op: str, fn: Callable[[Any], T], nbytes: int = 0) -> T:
+    def call(self, op: str, fn: Callable[[Any], T], nbytes: int = 0, abandon: bool = True) -> T:
         """``fn(client)`` on a call thread, waiting at most the deadline (``timeout``
         plus ``nbytes`` at :data:`MIN_TRANSFER_RATE`). Raises :class:`Outage` when
-        the breaker is open, connecting fails or time is up (the breaker then opens)."""
+        the breaker is open, connecting fails or time is up (the breaker then opens).
+
+        Without ``abandon`` (``fn`` writes into the caller's memory) a call past
+        its deadline is not left behind: the breaker opens then, as for any
+        outage, and the caller waits until Mooncake returns (its own transfer
+        and RPC timeouts: ~30 s for a frozen holder or master, measured), so
+        nothing is written into the caller's buffers after this returns."""
         if not self.breaker.allow():
             self.count("skipped")
             raise Outage("skipped: the breaker is open")
@@ -209,16 +215,23 @@ class Connection:
         try:
             client = self._connect(end)
             fut = self._pool.submit(fn, client)
-            try:
-                return fut.result(timeout=max(0.0, end - time.monotonic()))
-            except cf.TimeoutError:
-                self.count("timeouts")
-                raise Outage(f"no answer within {self.deadline(nbytes):.1f} s") from None
         except Outage as exc:
             self.outage(op, str(exc))
             raise
         except RuntimeError as exc:  # a pool shut down by close()
             raise Outage(str(exc)) from None
+        try:
+            return fut.result(timeout=max(0.0, end - time.monotonic()))
+        except cf.TimeoutError:
+            pass
+        except RuntimeError as exc:
+            raise Outage(str(exc)) from None
+        self.count("timeouts")
+        late = Outage(f"no answer within {self.deadline(nbytes):.1f} s")
+        self.outage(op, str(late))
+        if not abandon:
+            cf.wait([fut])  # (its answer comes too late: a miss all the same)
+        raise late
 
     def succeeded(self) -> None:
         self.breaker.succeeded()

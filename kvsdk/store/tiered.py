@@ -134,6 +134,12 @@ TAIL_OWNER = "\0prompt tails"
 class TieredStore:
     ABSENT_TTL_S = 1.0
     """A slow-tier miss is remembered this long (another instance may store it later)."""
+    PENDING_GIVE_UP_S = 10.0
+    """A chunk whose query or promotion has been in flight this long is a miss to
+    lookups: the request computes it rather than wait on (the I/O goes on, its
+    host slots held, and lands for later requests). A tier's call bounds it
+    first as a rule; a read into host slots that cannot be abandoned (the
+    mooncake tier's) may take the store's own timeout, ~30 s, to return."""
     QUERY_S_WEIGHT = 0.25
     """Weight of the latest query's duration in the moving average of them."""
     STEPS_KEPT = 15
@@ -274,6 +280,9 @@ class TieredStore:
             return LookupResult.MISS
         remote = self._remote.get(key)
         if remote is not None and remote.state is RemoteState.PROMOTING:
+            if time.monotonic() - remote.since > self.PENDING_GIVE_UP_S:
+                self._misses += 1
+                return LookupResult.MISS
             self._deferred += 1
             return LookupResult.HIT_PENDING
         if self.host.contains(key):  # a store of it is in flight: not readable yet
@@ -293,7 +302,10 @@ class TieredStore:
             if self.tenant_quotas:
                 self._query_account[key] = self.quota_account(tenant)
             remote = self._remote[key]
-        if remote.state is RemoteState.ABSENT:
+        if remote.state is RemoteState.ABSENT or (
+            remote.state is RemoteState.QUERYING
+            and time.monotonic() - remote.since > self.PENDING_GIVE_UP_S
+        ):
             self._misses += 1
             return LookupResult.MISS
         self._deferred += 1

@@ -209,9 +209,49 @@ def test_get_into_another_size_is_a_miss_and_keeps_the_entry(make: Any) -> None:
     assert b.put([(key(1), payload(1, 1000))]) == [True]
     big, small = bytearray(4096), bytearray(10)
     assert b.get_into([key(1), key(1)], [memoryview(big), memoryview(small)]) == [False, False]
-    assert b.corrupt_count() == 0
+    # one at a time: read straight into place, Mooncake refuses both sizes (-800, -600)
+    assert b.get_into([key(1)], [memoryview(big)]) == [False]
+    assert b.get_into([key(1)], [memoryview(small)]) == [False]
+    assert b.corrupt_count() == 0 and b.error_count() == 0
     out = bytearray(1000)
     assert b.get_into([key(1)], [memoryview(out)]) == [True] and bytes(out) == payload(1, 1000)
+
+
+def test_a_read_into_place_past_its_deadline_is_waited_for_never_left_behind(
+    make: Any,
+) -> None:
+    """``get_into`` reads straight into the caller's buffer, so a read past its
+    deadline is not abandoned (it could write into a buffer the caller reused):
+    the breaker opens at the deadline, later calls skip the store at once, and
+    the call returns only after Mooncake did. A delay is put between the tier
+    and the real client's read; abandoning the read returned before it wrote."""
+    b = make(ns("late"), timeout=0.3, backoff_initial=5.0, backoff_max=5.0)
+    assert b.put([(key(1), payload(1))]) == [True]
+    conn = b._conn
+    real = conn._client
+    wrote: list[float] = []
+
+    class LateReads:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def batch_get_into_multi_buffers(self, *args: Any) -> Any:
+            time.sleep(1.0)
+            got = real.batch_get_into_multi_buffers(*args)
+            wrote.append(time.monotonic())
+            return got
+
+    conn._client = LateReads()
+    out = bytearray(4096)
+    t = time.monotonic()
+    assert b.get_into([key(1)], [memoryview(out)]) == [False]
+    returned = time.monotonic()
+    assert wrote and wrote[0] <= returned and returned - t >= 1.0
+    assert not b.available() and b.stats()["timeouts"] == 1
+    skipped = time.monotonic()
+    assert b.get_into([key(1)], [memoryview(out)]) == [False]  # the breaker: no call
+    assert time.monotonic() - skipped < 0.1 and b.stats()["skipped"] == 1
+    conn._client = real
 
 
 def test_parts_and_duplicates(make: Any) -> None:

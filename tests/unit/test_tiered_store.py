@@ -20,7 +20,7 @@ from kvsdk.keys import Namespace
 from kvsdk.metrics import Metrics
 from kvsdk.store.chain import TierChain
 from kvsdk.store.factory import StoreHandle, build_store
-from kvsdk.store.tiered import TieredStore
+from kvsdk.store.tiered import StorePlan, TieredStore
 from kvsdk.types import ChunkKey, Locality, LookupResult, Medium
 
 SLOT = 32
@@ -326,6 +326,37 @@ def test_lookup_says_hit_pending_while_a_chunk_is_promoted(stores: list[TieredSt
         lower.gates["get"].set()
         pump(store)
     assert store.lookup(k(5)) is LookupResult.HIT
+
+
+def test_a_query_or_promotion_stuck_past_the_give_up_is_a_miss_then_lands(
+    stores: list[TieredStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slower tier that does not return (a read it may not abandon): once the
+    chunk's query or promotion has been in flight ``PENDING_GIVE_UP_S``, lookups
+    answer MISS (the request computes it) instead of deferring it further; the
+    promotion still lands in its reserved slot when the tier returns, and the
+    chunk is a hit then. Without the give-up the lookups kept deferring."""
+    monkeypatch.setattr(TieredStore, "PENDING_GIVE_UP_S", 0.3)
+    lower = DictBackend()
+    lower.data[k(5)] = payload(5)
+    store = new_store(stores, lower)
+    lower.gates["exists"].clear()
+    assert store.lookup(k(5)) is LookupResult.RETRY
+    wait_for(lower.entered["exists"], store)  # the query is stuck
+    assert store.lookup(k(5)) is LookupResult.RETRY
+    time.sleep(0.35)
+    assert store.lookup(k(5)) is LookupResult.MISS
+    lower.gates["get"].clear()
+    lower.gates["exists"].set()
+    wait_for(lower.entered["get"], store)  # the promotion's read is stuck now
+    try:
+        assert store.lookup(k(5)) is LookupResult.MISS  # asked 0.35 s ago: past the give-up
+        assert store.prepare_store([k(5)]) == StorePlan((), ())  # its slot stays the promotion's
+    finally:
+        lower.gates["get"].set()
+        pump(store)
+    assert store.lookup(k(5)) is LookupResult.HIT
+    assert read(store, k(5)) == payload(5)
 
 
 def test_chunk_absent_everywhere_is_a_miss_after_the_query(stores: list[TieredStore]) -> None:
