@@ -350,7 +350,9 @@ def run_bench(
     total = len(orders) * len(configs) * len(reuses) * users * rounds
     bar = tqdm(total=total, desc="bench serve", unit="req", disable=not progress)
     runs: dict[str, list[Any]] = {c: [] for c in configs}
-    env = dict(os.environ)
+    # the workers import the installed kvsdk, not a ``kvsdk/`` in the working
+    # directory (a source checkout's root holds the core alone)
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
     if threads is not None:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     block_sizes = set()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -302,6 +303,7 @@ def run_bench(model: str, n: int, seed: int, out: Path, *, progress: bool = True
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
+            env={**os.environ, "PYTHONSAFEPATH": "1"},  # the installed kvsdk, not ./kvsdk
         )
         bar = tqdm(total=n, desc="soak (kvsdk + faulty tier)", unit="req", disable=not progress)
         result = run_soak(model, n, seed, Path(tmp), progress=bar.update)
